@@ -1,0 +1,205 @@
+"""Wire protocol: round trips, zero-copy frames, and rejection of malformed input (with fuzzing)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vime.protocol.codec import (
+    ERROR_BAD_VERSION,
+    ERROR_INVALID,
+    ERROR_MALFORMED,
+    ERROR_OVERSIZED,
+    ERROR_UNKNOWN_TYPE,
+    INLINE_ARRAY_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode,
+    encode,
+)
+from vime.protocol.messages import Credit, Group, GroupScores, GroupsGenerated, GroupsScored, Hello, Sample
+
+
+def make_sample(index: int, length: int, version: int = 0) -> Sample:
+    rng = np.random.default_rng(index)
+    return Sample(
+        index=index,
+        response_tokens=rng.integers(0, 50, length, dtype=np.int32),
+        rollout_logprobs=-rng.random(length, dtype=np.float32),
+        loss_mask=np.ones(length, dtype=np.uint8),
+        token_versions=np.full(length, version, dtype=np.int32),
+        finish_reason="stop",
+        response_text="123",
+    )
+
+
+def make_group(n: int = 4, length: int = 100) -> Group:
+    return Group(
+        group_id="e0-p7",
+        prompt_index=7,
+        epoch=0,
+        prompt_tokens=np.arange(12, dtype=np.int32),
+        prompt_text="123+456=",
+        label="579",
+        metadata={"source": "test"},
+        n_samples=n,
+        samples=[make_sample(i, length) for i in range(n)],
+    )
+
+
+def test_group_round_trip_keeps_every_field_and_uses_frames_for_large_arrays() -> None:
+    group = make_group(n=3, length=200)
+    frames = encode(GroupsGenerated(groups=[group]))
+    # Per sample: tokens, logprobs, versions are 800 bytes (own frames); the uint8 loss mask is 200
+    # bytes, under INLINE_ARRAY_BYTES, so it rides in the header.
+    assert len(frames) == 1 + 3 * 3
+    decoded = decode(frames)
+    assert isinstance(decoded, GroupsGenerated)
+    got = decoded.groups[0]
+    assert got.group_id == group.group_id and got.label == "579" and got.metadata == {"source": "test"}
+    for a, b in zip(got.samples, group.samples):
+        np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
+        np.testing.assert_array_equal(a.rollout_logprobs, b.rollout_logprobs)
+        assert a.response_tokens.dtype == np.int32 and a.rollout_logprobs.dtype == np.float32
+
+
+def test_small_arrays_are_inlined_in_the_header() -> None:
+    group = make_group(n=2, length=3)
+    frames = encode(GroupsGenerated(groups=[group]))
+    assert len(frames) == 1
+    assert 3 * 4 < INLINE_ARRAY_BYTES
+    decoded = decode(frames)
+    np.testing.assert_array_equal(decoded.groups[0].samples[1].response_tokens, group.samples[1].response_tokens)
+
+
+def test_decoded_arrays_are_views_of_the_received_frames() -> None:
+    frames = [bytes(f) if not isinstance(f, bytes) else f for f in encode(GroupsGenerated(groups=[make_group(1, 500)]))]
+    decoded = decode(frames)
+    tokens = decoded.groups[0].samples[0].response_tokens
+    assert not tokens.flags.owndata
+    assert not tokens.flags.writeable  # bytes frames are immutable: no accidental writes into buffers
+
+
+def test_unknown_type_bad_version_and_garbage_are_rejected_with_codes() -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode([msgspec.msgpack.encode((PROTOCOL_VERSION, {"type": "no_such_message"}))])
+    assert err.value.code == ERROR_UNKNOWN_TYPE and "no_such_message" in err.value.detail
+    with pytest.raises(ProtocolError) as err:
+        decode([msgspec.msgpack.encode((PROTOCOL_VERSION + 1, {"type": "credit", "n": 1}))])
+    assert err.value.code == ERROR_BAD_VERSION
+    with pytest.raises(ProtocolError) as err:
+        decode([b"\xc1\xff\x00garbage"])
+    assert err.value.code == ERROR_MALFORMED
+    with pytest.raises(ProtocolError) as err:
+        decode([])
+    assert err.value.code == ERROR_MALFORMED
+
+
+def test_wrong_field_types_and_semantic_violations_are_invalid() -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode([msgspec.msgpack.encode((PROTOCOL_VERSION, {"type": "credit", "n": "many"}))])
+    assert err.value.code == ERROR_INVALID and "n" in err.value.detail
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(Credit(n=0)))
+    assert err.value.code == ERROR_INVALID
+    group = make_group(2, 100)
+    group.samples[0].rollout_logprobs = group.samples[0].rollout_logprobs[:-1]
+    with pytest.raises(ProtocolError, match="rollout_logprobs has 99 entries, expected 100"):
+        decode(encode(GroupsGenerated(groups=[group])))
+    scores = GroupScores(group_id="g", rewards=[float("nan")], failed=[False], reasons=[None])
+    with pytest.raises(ProtocolError, match="not finite"):
+        decode(encode(GroupsScored(scores=[scores])))
+
+
+def test_array_byte_length_must_match_its_shape() -> None:
+    frames = encode(GroupsGenerated(groups=[make_group(1, 100)]))
+    frames[1] = bytes(frames[1])[:-4]
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.code == ERROR_INVALID and "needs 400 bytes, got 396" in err.value.detail
+
+
+def test_disallowed_dtype_cannot_be_sent_or_received() -> None:
+    group = make_group(1, 4)
+    group.prompt_tokens = np.array(["a"], dtype=object)
+    with pytest.raises(TypeError, match="cannot be sent"):
+        encode(group)
+    header = msgspec.msgpack.encode(
+        (PROTOCOL_VERSION, {"type": "group", "group_id": "g", "prompt_index": 0, "epoch": 0,
+                            "prompt_tokens": ["O", [1], b"x" * 8], "prompt_text": "", "n_samples": 1})
+    )
+    with pytest.raises(ProtocolError, match="not allowed"):
+        decode([header])
+
+
+def test_limits_on_frames_and_sizes() -> None:
+    frames = encode(GroupsGenerated(groups=[make_group(2, 1000)]))
+    with pytest.raises(ProtocolError) as err:
+        decode(frames, max_total_bytes=1000)
+    assert err.value.code == ERROR_OVERSIZED
+    with pytest.raises(ProtocolError) as err:
+        decode(frames, max_frames=2)
+    assert err.value.code == ERROR_OVERSIZED
+    with pytest.raises(ProtocolError) as err:
+        decode(frames, max_header_bytes=10)
+    assert err.value.code == ERROR_OVERSIZED
+
+
+def test_receiver_can_restrict_accepted_types() -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(Credit(n=2)), expect=(Hello,))
+    assert err.value.code == ERROR_UNKNOWN_TYPE
+    assert decode(encode(Credit(n=2)), expect=(Hello, Credit)) == Credit(n=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=5))
+def test_fuzz_random_frames_only_raise_protocol_errors(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_valid_messages_only_raise_protocol_errors(data: st.DataObject) -> None:
+    frames = [bytes(f) for f in encode(GroupsGenerated(groups=[make_group(2, 80)]))]
+    which = data.draw(st.integers(0, len(frames) - 1))
+    raw = bytearray(frames[which])
+    if raw:
+        cut = data.draw(st.integers(0, len(raw)))
+        flips = data.draw(st.lists(st.tuples(st.integers(0, max(0, len(raw) - 1)), st.integers(0, 255)), max_size=8))
+        for pos, value in flips:
+            raw[pos] = value
+        raw = raw[:cut] if data.draw(st.booleans()) else raw
+    frames[which] = bytes(raw)
+    try:
+        msg = decode(frames)
+    except ProtocolError:
+        return
+    assert isinstance(msg, GroupsGenerated)  # a mutation that still decodes must still be valid
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=300),
+    st.text(max_size=40),
+    st.one_of(st.none(), st.text(max_size=10)),
+)
+def test_round_trip_property(tokens: list[int], text: str, label: str | None) -> None:
+    group = Group(
+        group_id="g",
+        prompt_index=1,
+        epoch=2,
+        prompt_tokens=np.asarray(tokens or [1], dtype=np.int32),
+        prompt_text=text,
+        label=label,
+        n_samples=1,
+    )
+    decoded = decode(encode(group))
+    assert decoded.prompt_text == text and decoded.label == label
+    np.testing.assert_array_equal(decoded.prompt_tokens, group.prompt_tokens)

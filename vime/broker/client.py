@@ -1,0 +1,120 @@
+"""A worker's connection to the broker: one asyncio DEALER socket, typed send/receive, heartbeats.
+
+Rollout, reward and trainer workers share this; their main loops stay short. Received messages are
+decoded and validated; an `ErrorReply` from the broker is logged (it means this worker sent something
+wrong) and a malformed reply is logged and skipped, so a bad frame never kills a worker. If the broker
+stops answering heartbeats for `broker_timeout_s`, `BrokerGone` is raised so the worker can exit
+instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from vime.logging import get_logger
+from vime.protocol.codec import ProtocolError, decode, encode
+from vime.protocol.messages import ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
+from vime.transport import make_dealer
+
+log = get_logger(__name__)
+
+
+class BrokerGone(RuntimeError):
+    """The broker did not answer for longer than the timeout."""
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class BrokerClient:
+    def __init__(self, address: str, role: str, worker_id: str | None = None, *, broker_timeout_s: float = 120.0) -> None:
+        self.address = address
+        self.role = role
+        self.worker_id = worker_id or new_worker_id(role)
+        self.context = zmq.asyncio.Context()
+        self.socket = make_dealer(self.context, address, identity=self.worker_id.encode())
+        self.broker_timeout_s = broker_timeout_s
+        self.last_heard = time.monotonic()
+        self.job: JobInfo | None = None
+
+    async def send(self, msg: Message) -> None:
+        await self.socket.send_multipart(encode(msg), copy=False)
+
+    async def recv(self, timeout_s: float | None = None) -> Message | None:
+        """The next valid message, or None on timeout. Invalid input is logged and skipped."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if remaining is not None and not await self.socket.poll(int(remaining * 1000)):
+                return None
+            frames = await self.socket.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("bad_message_from_broker", code=exc.code, detail=exc.detail[:500])
+                continue
+            if isinstance(msg, ErrorReply):
+                log.error("broker_rejected_message", code=msg.code, detail=msg.detail[:500])
+                continue
+            return msg
+
+    async def hello(self, weight_version: int = -1, info: dict[str, Any] | None = None, timeout_s: float = 300.0) -> JobInfo:
+        """Introduce this worker; retries until the broker answers (it may start after us)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.send(
+                Hello(role=self.role, worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                      weight_version=weight_version, info=info or {})  # type: ignore[arg-type]
+            )
+            msg = await self.recv(timeout_s=5.0)
+            if isinstance(msg, Welcome):
+                self.job = msg.job
+                return msg.job
+            if msg is not None:
+                log.warning("unexpected_before_welcome", message=type(msg).__name__)
+        raise BrokerGone(f"broker at {self.address} did not answer Hello within {timeout_s:.0f} s")
+
+    async def heartbeat_loop(self, interval_s: float, state: Callable[[], Heartbeat]) -> None:
+        """Send heartbeats forever; raise BrokerGone when the broker has been silent too long."""
+        while True:
+            await self.send(state())
+            await asyncio.sleep(interval_s)
+            if time.monotonic() - self.last_heard > self.broker_timeout_s:
+                raise BrokerGone(f"no message from broker at {self.address} for {self.broker_timeout_s:.0f} s")
+
+    def close(self) -> None:
+        self.socket.close(linger=500)
+        self.context.term()
+
+
+def query_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Ask a broker for its status (blocking); raises TimeoutError if it does not answer."""
+    context = zmq.Context()
+    sock = make_dealer(context, address, identity=f"status-{uuid.uuid4().hex[:8]}".encode())
+    try:
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.send_multipart(encode(StatusRequest()), copy=False)
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"broker at {address} did not answer within {timeout_s} s")
+        msg = decode(sock.recv_multipart(copy=False), (StatusReply,))
+        assert isinstance(msg, StatusReply)
+        return msg.status
+    except zmq.Again:
+        raise TimeoutError(f"broker at {address} is not reachable") from None
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+__all__ = ["BrokerClient", "BrokerGone", "HeartbeatAck", "new_worker_id", "query_status"]

@@ -1,0 +1,185 @@
+"""The broker process's socket loop around `BrokerState`.
+
+One ROUTER socket serves every worker and status client. Each incoming message is decoded and
+validated (`vime.protocol.codec`); anything malformed, oversized, unknown or unexpected for the
+sender's role gets an `ErrorReply` and a structured log line, and changes no state. After each event
+the loop runs dispatch, scoring hand-off and batch filling, then sends what the state produced.
+The loop also expires silent workers (their leased groups are re-queued) and writes a status
+snapshot to the run directory for `vime status` when the broker is not reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from vime.broker.state import BrokerState, Outgoing
+from vime.logging import bind_progress, get_logger
+from vime.protocol.codec import ERROR_INVALID, ProtocolError, decode, encode
+from vime.protocol.messages import (
+    Ack,
+    BatchRequest,
+    Bye,
+    Credit,
+    ErrorReply,
+    GroupsGenerated,
+    GroupsScored,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    Message,
+    StatusReply,
+    StatusRequest,
+    StepDone,
+    Welcome,
+    WeightsPublished,
+)
+from vime.transport import make_router
+
+log = get_logger(__name__)
+
+# Which roles may send which messages; anything else is answered with an error.
+ALLOWED: dict[type[Message], frozenset[str]] = {
+    Heartbeat: frozenset({"rollout", "reward", "trainer"}),
+    Bye: frozenset({"rollout", "reward", "trainer"}),
+    Credit: frozenset({"rollout", "reward"}),
+    GroupsGenerated: frozenset({"rollout"}),
+    GroupsScored: frozenset({"reward"}),
+    BatchRequest: frozenset({"trainer"}),
+    StepDone: frozenset({"trainer"}),
+    WeightsPublished: frozenset({"trainer"}),
+}
+ACCEPTED_TYPES = (Hello, StatusRequest, *ALLOWED)
+
+
+class BrokerServer:
+    def __init__(
+        self,
+        state: BrokerState,
+        bind: str,
+        *,
+        status_path: Path | None = None,
+        max_message_bytes: int = 1 << 30,
+    ) -> None:
+        self.state = state
+        self.context = zmq.Context()
+        self.socket = make_router(self.context, bind, max_message_bytes=max_message_bytes)
+        self.status_path = status_path
+        self.max_message_bytes = max_message_bytes
+        self._stop = False
+        self._last_status_write = 0.0
+        self._last_expiry_check = 0.0
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve(self, *, linger_after_finish_s: float = 5.0) -> None:
+        """Run until stopped (SIGINT/SIGTERM) or until training finished and workers were told."""
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        finished_at: float | None = None
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        log.info("broker_started", admission_limit=self.state.admission_limit)
+        while not self._stop:
+            events = dict(poller.poll(timeout=100))
+            now = time.monotonic()
+            if self.socket in events:
+                for _ in range(256):  # drain a burst before housekeeping
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames, now)
+            self._housekeeping(now)
+            if self.state.finished:
+                finished_at = finished_at or now
+                if not self.state.workers or now - finished_at > linger_after_finish_s:
+                    break
+        self._write_status(time.monotonic(), force=True)
+        log.info("broker_stopped", **self.state.counters)
+        self.socket.close(linger=500)
+        self.context.term()
+
+    def _housekeeping(self, now: float) -> None:
+        if now - self._last_expiry_check > 1.0:
+            self._last_expiry_check = now
+            for worker in self.state.expire_workers(now):
+                log.warning("worker_expired", worker=worker.worker_id, role=worker.role, requeued=len(worker.leased))
+        self._send(self.state.dispatch())
+        self._send(self.state.dispatch_scoring())
+        self._send(self.state.try_fill_batch(now))
+        self._write_status(now)
+
+    def _handle(self, frames: list[Any], now: float) -> None:
+        identity, payload = frames[0].bytes, frames[1:]
+        try:
+            msg = decode(payload, ACCEPTED_TYPES, max_total_bytes=self.max_message_bytes)
+            self._dispatch_message(identity, msg, now)
+        except ProtocolError as exc:
+            self.state.counters["bad_messages"] += 1
+            log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
+            self._send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
+
+    def _dispatch_message(self, identity: bytes, msg: Message, now: float) -> None:
+        state = self.state
+        if isinstance(msg, Hello):
+            job = state.register(identity, msg.worker_id, msg.role, now, msg.weight_version)
+            log.info("worker_joined", worker=msg.worker_id, role=msg.role, host=msg.host, pid=msg.pid)
+            self._send([(identity, Welcome(worker_id=msg.worker_id, job=job))])
+            return
+        if isinstance(msg, StatusRequest):
+            self._send([(identity, StatusReply(status=state.status(now)))])
+            return
+        worker = state.workers.get(identity)
+        if worker is None:
+            raise ProtocolError(ERROR_INVALID, f"{type(msg).__name__} from an unknown peer: send Hello first")
+        if worker.role not in ALLOWED[type(msg)]:
+            raise ProtocolError(ERROR_INVALID, f"a {worker.role} worker may not send {type(msg).__name__}")
+        state.touch(identity, now)
+        if isinstance(msg, Heartbeat):
+            state.touch(identity, now, msg.weight_version, {"in_flight": msg.in_flight, **msg.stats})
+            self._send([(identity, HeartbeatAck(weight_version=state.published_version, weight_endpoint=state.weight_endpoint))])
+        elif isinstance(msg, Bye):
+            state.remove_worker(identity)
+            log.info("worker_left", worker=worker.worker_id, reason=msg.reason)
+        elif isinstance(msg, Credit):
+            state.add_credit(identity, msg.n)
+        elif isinstance(msg, GroupsGenerated):
+            accepted = state.on_generated(identity, msg.groups)
+            self._send([(identity, Ack(ids=accepted))])
+        elif isinstance(msg, GroupsScored):
+            accepted = state.on_scored(identity, msg.scores)
+            self._send([(identity, Ack(ids=accepted))])
+        elif isinstance(msg, BatchRequest):
+            state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now)
+        elif isinstance(msg, StepDone):
+            self._send(state.on_step_done(msg.step, msg.group_ids))
+            bind_progress(step=state.trained_steps)
+            self._send([(identity, Ack(ids=[str(msg.step)]))])
+        elif isinstance(msg, WeightsPublished):
+            self._send(state.on_weights_published(msg.version, msg.endpoint))
+            bind_progress(weight_version=state.published_version)
+            log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
+            self._send([(identity, Ack(ids=[str(msg.version)]))])
+
+    def _send(self, outgoing: Outgoing) -> None:
+        for identity, msg in outgoing:
+            try:
+                self.socket.send_multipart([identity, *encode(msg)], copy=False)
+            except zmq.ZMQError as exc:
+                # ROUTER_MANDATORY: the peer is gone. Its leases expire through the heartbeat timeout.
+                log.warning("send_failed", peer=identity.hex(), message=type(msg).__name__, error=str(exc))
+
+    def _write_status(self, now: float, force: bool = False) -> None:
+        if self.status_path is None or (not force and now - self._last_status_write < 1.0):
+            return
+        self._last_status_write = now
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state.status(now), indent=1))
+        tmp.replace(self.status_path)

@@ -1,0 +1,231 @@
+"""One typed job configuration: YAML file, overridden by command-line flags with slime's names.
+
+Every vime process (broker, workers, launcher) reads the same `VimeConfig`, so a job started by hand on
+several machines and one started by `vime run` agree. Precedence: field defaults < YAML file < flags.
+Flags are the field names with dashes (`--rollout-batch-size 16`, `--use-kl-loss`/`--no-use-kl-loss`).
+`--vllm-<arg> VALUE` passes `<arg>` (dashes -> underscores) to vLLM's engine arguments; the value is
+parsed as YAML so numbers and booleans arrive typed. Unknown flags, unknown YAML keys and values of the
+wrong type are errors that name the offending key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the problem."""
+
+
+class VimeConfig(BaseModel):
+    """The whole job. Field docs double as `--help` text."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- run -------------------------------------------------------------------------------------
+    run_dir: Path = Field(Path("runs/demo"), description="where logs, metrics, plots and checkpoints go")
+    num_rollout: int = Field(30, ge=1, description="training steps (rollout batches) to run")
+    seed: int = Field(1234, description="seed for data order, sampling and init")
+
+    # --- model -----------------------------------------------------------------------------------
+    hf_checkpoint: Path = Field(Path("runs/demo-model"), description="Hugging Face model dir (weights+tokenizer)")
+    make_demo_model: bool = Field(False, description="build the tiny demo model at --hf-checkpoint if missing")
+
+    # --- data ------------------------------------------------------------------------------------
+    prompt_data: str = Field("demo:arithmetic", description="JSONL/Parquet path, or demo:arithmetic")
+    input_key: str = Field("prompt", description="row key of the prompt (text or chat messages)")
+    label_key: str | None = Field("label", description="row key of the reference answer")
+    metadata_key: str | None = Field("metadata", description="row key of per-row metadata")
+    apply_chat_template: bool = Field(False, description="format prompts with the tokenizer's chat template")
+    rollout_shuffle: bool = Field(True, description="shuffle prompts each epoch")
+    demo_num_prompts: int = Field(4096, ge=1, description="prompts generated for demo:arithmetic")
+
+    # --- rollout ---------------------------------------------------------------------------------
+    rollout_batch_size: int = Field(16, ge=1, description="prompt groups per training step")
+    n_samples_per_prompt: int = Field(8, ge=1, description="samples generated per prompt (group size)")
+    rollout_max_response_len: int = Field(8, ge=1, description="max new tokens per sample")
+    rollout_temperature: float = Field(1.0, ge=0.0)
+    rollout_top_p: float = Field(1.0, gt=0.0, le=1.0)
+    rollout_engine: Literal["vllm", "hf", "auto"] = Field("auto", description="auto = vLLM when installed")
+    num_rollout_workers: int = Field(1, ge=1, description="rollout worker processes started by `vime run`")
+    rollout_concurrency: int = Field(8, ge=1, description="groups a rollout worker generates at once")
+    vllm: dict[str, Any] = Field(default_factory=dict, description="vLLM engine args (--vllm-<arg>)")
+
+    # --- reward ----------------------------------------------------------------------------------
+    rm_type: str = Field("arithmetic", description="math | gsm8k | dapo | boxed_math | arithmetic | custom")
+    custom_rm_path: str | None = Field(None, description="path/to/file.py:fn or package.module:fn")
+    num_reward_workers: int = Field(1, ge=1)
+    reward_concurrency: int = Field(16, ge=1, description="groups a reward worker scores at once")
+
+    # --- off-policy control ----------------------------------------------------------------------
+    max_staleness: int = Field(1, ge=0, description="max weight versions between generation and training")
+    update_weights_interval: int = Field(1, ge=1, description="publish weights every N training steps")
+
+    # --- training --------------------------------------------------------------------------------
+    train_backend: Literal["torch"] = Field("torch")
+    trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel)")
+    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step (default: all)")
+    micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on one rank")
+    advantage_estimator: Literal["grpo"] = Field("grpo")
+    disable_grpo_std_normalization: bool = Field(False, description="Dr.GRPO: no std division")
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    clip_grad: float = Field(1.0, gt=0.0)
+    eps_clip: float = Field(0.2, gt=0.0)
+    eps_clip_high: float | None = Field(None, gt=0.0)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    use_tis: bool = False
+    tis_clip: float = Field(2.0, gt=0.0)
+    use_fsdp: bool = Field(False, description="shard the model with FSDP2 instead of replicating (DDP)")
+    save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
+    save_interval: int | None = Field(None, ge=1, description="save an HF checkpoint every N steps")
+
+    # --- network ---------------------------------------------------------------------------------
+    broker_address: str = Field("tcp://127.0.0.1:5555", description="where workers reach the broker")
+    broker_bind: str | None = Field(None, description="what the broker binds (default: broker_address)")
+    weight_bind: str = Field("tcp://127.0.0.1:*", description="trainer rank 0's weight-channel bind address")
+    heartbeat_interval_s: float = Field(2.0, gt=0.0)
+    worker_timeout_s: float = Field(60.0, gt=0.0, description="silence after which a worker's work is re-leased")
+
+    @model_validator(mode="after")
+    def _check_batch_shape(self) -> VimeConfig:
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.global_batch_size is not None and samples % self.global_batch_size:
+            raise ValueError(
+                f"rollout_batch_size * n_samples_per_prompt = {samples} is not a multiple of "
+                f"global_batch_size = {self.global_batch_size}"
+            )
+        if self.rm_type == "custom" and not self.custom_rm_path:
+            raise ValueError("rm_type 'custom' needs custom_rm_path")
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.save or self.run_dir / "checkpoints"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _scalar_type(annotation: Any) -> Any:
+    """The type argparse should parse a flag value with (YAML parsing for Literal/Optional mixes)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _scalar_type(members[0])
+    if annotation in (int, float, str):
+        return annotation
+    return _yaml_value
+
+
+def _yaml_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def build_parser(description: str = "vime") -> argparse.ArgumentParser:
+    """An argparse parser with one flag per config field, plus --config."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--config", type=Path, help="YAML config file (flags override it)")
+    add_config_flags(parser)
+    return parser
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("job configuration")
+    for name, field in VimeConfig.model_fields.items():
+        if name == "vllm":
+            continue
+        help_text = field.description or ""
+        if _is_bool(field.annotation):
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(_flag(name), dest=name, type=_scalar_type(field.annotation), default=None, help=help_text)
+
+
+def split_vllm_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take `--vllm-<arg> VALUE` (or `--vllm-<arg>=VALUE`) out of argv; return the rest and the args."""
+    rest: list[str] = []
+    vllm_args: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token.startswith("--vllm-"):
+            key, eq, value = token[len("--vllm-") :].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{token} needs a value")
+                value = argv[i + 1]
+                i += 1
+            vllm_args[key.replace("-", "_")] = _yaml_value(value)
+        else:
+            rest.append(token)
+        i += 1
+    return rest, vllm_args
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> VimeConfig:
+    """Load YAML (keys with dashes or underscores) and apply overrides; ConfigError names what's wrong."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+        data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    for key, value in (overrides or {}).items():
+        if key == "vllm":
+            data["vllm"] = {**(data.get("vllm") or {}), **value}
+        elif value is not None:
+            data[key] = value
+    try:
+        return VimeConfig(**data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def config_from_args(args: argparse.Namespace, vllm_args: dict[str, Any]) -> VimeConfig:
+    overrides = {name: getattr(args, name, None) for name in VimeConfig.model_fields if name != "vllm"}
+    overrides["vllm"] = vllm_args
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def parse_config(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[VimeConfig, argparse.Namespace]:
+    """Parse argv (config flags, --vllm-*, and whatever extra flags `parser` defines)."""
+    parser = parser or build_parser()
+    rest, vllm_args = split_vllm_flags(argv)
+    args = parser.parse_args(rest)
+    try:
+        return config_from_args(args, vllm_args), args
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

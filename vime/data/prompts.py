@@ -1,0 +1,136 @@
+"""Prompt datasets in slime's format, tokenized once, served by an epoch cursor.
+
+Rows are JSONL or Parquet records such as `{"prompt": [{"role": "user", "content": ...}], "label":
+"34", "metadata": {...}}`; `--input-key`, `--label-key` and `--metadata-key` pick the fields and
+`--apply-chat-template` formats chat prompts with the tokenizer's template. `demo:arithmetic` generates
+the CPU demo's task instead of reading a file. Rows that cannot be used (missing key, empty prompt) are
+errors naming the file and row, found at load time rather than mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vime.config import ConfigError, VimeConfig
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    text: str
+    tokens: np.ndarray  # int32
+    label: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Read JSONL (.jsonl/.json lines) or Parquet rows."""
+    if not path.is_file():
+        raise ConfigError(f"prompt data {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()  # type: ignore[no-any-return]
+    rows = []
+    with path.open() as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{line_no}: not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{line_no}: each line must be a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _prompt_text(row: dict[str, Any], cfg: VimeConfig, tokenizer: Any, where: str) -> str:
+    if cfg.input_key not in row:
+        raise ConfigError(f"{where}: no key {cfg.input_key!r} (set --input-key); keys are {sorted(row)}")
+    value = row[cfg.input_key]
+    if isinstance(value, list):
+        if not cfg.apply_chat_template:
+            raise ConfigError(f"{where}: prompt is a chat message list; pass --apply-chat-template")
+        return str(tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True))
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: prompt must be a non-empty string or a list of chat messages")
+    if cfg.apply_chat_template:
+        messages = [{"role": "user", "content": value}]
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return value
+
+
+def load_prompts(cfg: VimeConfig, tokenizer: Any) -> list[Prompt]:
+    """All prompts of the dataset, tokenized (without special tokens: templates add their own)."""
+    if cfg.prompt_data == "demo:arithmetic":
+        from vime.demo.arithmetic import make_prompts
+
+        rows = make_prompts(cfg.demo_num_prompts, seed=cfg.seed)
+        source = "demo:arithmetic"
+    elif cfg.prompt_data.startswith("demo:"):
+        raise ConfigError(f"unknown demo dataset {cfg.prompt_data!r}; known: demo:arithmetic")
+    else:
+        rows = read_rows(Path(cfg.prompt_data))
+        source = cfg.prompt_data
+    if not rows:
+        raise ConfigError(f"prompt data {source} has no rows")
+    prompts = []
+    for i, row in enumerate(rows):
+        where = f"{source} row {i}"
+        text = _prompt_text(row, cfg, tokenizer, where)
+        label = row.get(cfg.label_key) if cfg.label_key else None
+        metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ConfigError(f"{where}: metadata must be an object, got {type(metadata).__name__}")
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise ConfigError(f"{where}: prompt tokenizes to nothing")
+        prompts.append(
+            Prompt(
+                index=i,
+                text=text,
+                tokens=np.asarray(token_ids, dtype=np.int32),
+                label=None if label is None else str(label),
+                metadata=dict(metadata or {}),
+            )
+        )
+    return prompts
+
+
+class PromptCursor:
+    """Walks the prompts epoch by epoch (reshuffled per epoch with a seed) and remembers where it is."""
+
+    def __init__(self, prompts: list[Prompt], *, shuffle: bool, seed: int) -> None:
+        self._prompts = prompts
+        self._shuffle = shuffle
+        self._seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._order_for(0)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self._prompts)))
+        if self._shuffle:
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def next(self) -> tuple[int, Prompt]:
+        """The next prompt and its epoch."""
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._order_for(self.epoch)
+        prompt = self._prompts[self._order[self.position]]
+        self.position += 1
+        return self.epoch, prompt

@@ -1,0 +1,236 @@
+"""The wire format: a msgpack header frame plus zero-copy binary frames for arrays.
+
+A message is a `msgspec.Struct` subclass of `Message`, tagged with its type name. On the wire it is a
+ZeroMQ multipart message:
+
+    frame 0:   msgpack [PROTOCOL_VERSION, {"type": <tag>, ...fields}]
+    frame 1..: raw array bytes, referenced from the header by index
+
+Numpy arrays of `INLINE_ARRAY_BYTES` or more travel as their own frames, sent without copying
+(`send_multipart(frames, copy=False)`); smaller ones are inlined in the header, because a frame costs
+more than copying a few bytes (vLLM frames its tensors the same way). An array in the header is the
+list `[dtype, shape, frame_index]` or `[dtype, shape, raw_bytes]`.
+
+Decoding validates everything before any state changes: the protocol version, the message type, every
+field's type (msgspec), each array's dtype against an allow-list and its byte length against its shape,
+and the sizes of frames. Every failure raises `ProtocolError` with a code and a message that names the
+problem, so a receiver can log it, reply with an error and keep running. Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Arrays smaller than this are inlined in the header: a separate frame costs more than the copy.
+INLINE_ARRAY_BYTES = 256
+# Defaults a receiver enforces unless it passes its own limits.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_FRAMES = 65_536
+DEFAULT_MAX_TOTAL_BYTES = 1 << 31
+
+# Only plain numeric dtypes cross the wire; object/structured dtypes could smuggle arbitrary data.
+ALLOWED_DTYPES = frozenset(
+    {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"}
+)
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted. `code` is one of the ERROR_* constants below."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+ERROR_MALFORMED = "malformed"
+ERROR_OVERSIZED = "oversized"
+ERROR_UNKNOWN_TYPE = "unknown_type"
+ERROR_BAD_VERSION = "bad_version"
+ERROR_INVALID = "invalid"
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    """Base of every wire message. Subclasses set `tag=` and may override `validate()`."""
+
+    def validate(self) -> None:
+        """Semantic checks beyond field types (lengths agree, values in range). Raise ProtocolError."""
+
+
+def message_types() -> dict[str, type[Message]]:
+    """Every concrete message type defined so far, by tag (subclasses register by being defined)."""
+    found: dict[str, type[Message]] = {}
+    pending = list(Message.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        tag = cls.__struct_config__.tag
+        if tag is None:
+            continue
+        if tag in found and found[tag] is not cls:
+            raise TypeError(f"two message types share the tag {tag!r}: {found[tag]} and {cls}")
+        found[tag] = cls  # type: ignore[assignment]
+    return found
+
+
+def message_tag(cls: type[Message]) -> str:
+    return cls.__struct_config__.tag  # type: ignore[return-value]
+
+
+_frames_out: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("vime_frames_out")
+_frames_in: contextvars.ContextVar[Sequence[Any]] = contextvars.ContextVar("vime_frames_in")
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.name not in ALLOWED_DTYPES:
+            raise TypeError(f"dtype {obj.dtype.name} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+        arr = np.ascontiguousarray(obj)
+        if arr.nbytes < INLINE_ARRAY_BYTES:
+            return [arr.dtype.name, list(arr.shape), arr.tobytes()]
+        frames = _frames_out.get()
+        frames.append(arr.data if arr.ndim else memoryview(arr.tobytes()))
+        return [arr.dtype.name, list(arr.shape), len(frames) - 1]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode object of type {type(obj).__name__}")
+
+
+def _frame_buffer(frame: Any) -> memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return memoryview(frame)
+    return frame.buffer  # zmq.Frame: a read-only view of the received bytes, no copy
+
+
+def _dec_hook(expected: type, obj: Any) -> Any:
+    if expected is not np.ndarray:
+        raise msgspec.ValidationError(f"unsupported type {expected!r}")
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise msgspec.ValidationError("an array must be [dtype, shape, frame_index | bytes]")
+    dtype_name, shape, ref = obj
+    if not isinstance(dtype_name, str) or dtype_name not in ALLOWED_DTYPES:
+        raise msgspec.ValidationError(f"array dtype {dtype_name!r} is not allowed")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) or len(shape) > 8:
+        raise msgspec.ValidationError(f"array shape {shape!r} is not a list of non-negative ints")
+    dtype = np.dtype(dtype_name)
+    expected_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if isinstance(ref, bytes):
+        buf: memoryview = memoryview(ref)
+    elif isinstance(ref, int):
+        frames = _frames_in.get()
+        if not 1 <= ref < len(frames):
+            raise msgspec.ValidationError(f"array refers to frame {ref}, message has {len(frames)} frames")
+        buf = _frame_buffer(frames[ref])
+    else:
+        raise msgspec.ValidationError("array data must be a frame index or bytes")
+    if buf.nbytes != expected_bytes:
+        raise msgspec.ValidationError(
+            f"array of dtype {dtype_name} shape {shape} needs {expected_bytes} bytes, got {buf.nbytes}"
+        )
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder_cache: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoder_for(types: tuple[type[Message], ...] | None) -> msgspec.msgpack.Decoder[Any]:
+    registry = message_types()
+    key = types or tuple(registry.values())
+    decoder = _decoder_cache.get(key)
+    if decoder is None:
+        union_members = key
+        target = union_members[0] if len(union_members) == 1 else _union(union_members)
+        decoder = msgspec.msgpack.Decoder(tuple[int, target], dec_hook=_dec_hook)  # type: ignore[valid-type]
+        _decoder_cache[key] = decoder
+    return decoder
+
+
+def _union(members: tuple[type[Message], ...]) -> Any:
+    from typing import Union
+
+    return Union[members]  # noqa: UP007 - built dynamically from the registry
+
+
+def encode(msg: Message) -> list[Any]:
+    """Encode a message into frames for `socket.send_multipart(frames, copy=False)`.
+
+    Array frames are views of the caller's arrays: keep them unchanged until the send completes
+    (or send with `track=True` and wait on the tracker).
+    """
+    frames: list[Any] = [b""]
+    token = _frames_out.set(frames)
+    try:
+        frames[0] = _encoder.encode((PROTOCOL_VERSION, msg))
+    finally:
+        _frames_out.reset(token)
+    return frames
+
+
+def decode(
+    frames: Sequence[Any],
+    expect: tuple[type[Message], ...] | None = None,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_frames: int = DEFAULT_MAX_FRAMES,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+) -> Message:
+    """Decode and validate frames into a message; raises ProtocolError naming the problem.
+
+    `expect` limits which message types this receiver accepts (others are `unknown_type`).
+    Arrays in the result are read-only views of the received frames (no copy).
+    """
+    if not frames:
+        raise ProtocolError(ERROR_MALFORMED, "empty message")
+    if len(frames) > max_frames:
+        raise ProtocolError(ERROR_OVERSIZED, f"{len(frames)} frames, limit {max_frames}")
+    header = _frame_buffer(frames[0])
+    if header.nbytes > max_header_bytes:
+        raise ProtocolError(ERROR_OVERSIZED, f"header of {header.nbytes} bytes, limit {max_header_bytes}")
+    total = sum(_frame_buffer(f).nbytes for f in frames)
+    if total > max_total_bytes:
+        raise ProtocolError(ERROR_OVERSIZED, f"message of {total} bytes, limit {max_total_bytes}")
+    _check_envelope(header)
+    token = _frames_in.set(frames)
+    try:
+        _, msg = _decoder_for(expect).decode(header)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "Invalid value" in text and "`$[1].type`" in text:
+            raise ProtocolError(ERROR_UNKNOWN_TYPE, text) from None
+        raise ProtocolError(ERROR_INVALID, text) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ERROR_MALFORMED, str(exc)) from None
+    finally:
+        _frames_in.reset(token)
+    msg.validate()
+    return msg  # type: ignore[no-any-return]
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(tuple[int, dict[str, Any]])
+
+
+def _check_envelope(header: memoryview) -> None:
+    """Check version and tag first, so those errors say what is wrong rather than a field error."""
+    try:
+        version, body = _envelope_decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(ERROR_MALFORMED, f"header is not [version, {{...}}]: {exc}") from None
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ERROR_BAD_VERSION, f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    tag = body.get("type")
+    if tag not in message_types():
+        raise ProtocolError(ERROR_UNKNOWN_TYPE, f"unknown message type {tag!r}")
+
+
+def require(condition: bool, detail: str) -> None:
+    """Raise an `invalid` ProtocolError unless condition holds; for use in `Message.validate`."""
+    if not condition:
+        raise ProtocolError(ERROR_INVALID, detail)

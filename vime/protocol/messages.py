@@ -1,0 +1,255 @@
+"""Messages between the broker and the workers (rollout, reward, trainer) and status clients.
+
+One message type per purpose; all travel over the broker's ROUTER socket as `codec` frames. Token
+arrays are int32, logprobs float32, loss masks uint8, per-token weight versions int32, routing traces
+uint8/uint16: they become zero-copy frames, so the broker forwards sample payloads without copying
+them.
+
+Conversation shapes (worker -> broker, broker -> worker):
+- any worker: Hello -> Welcome; Heartbeat -> HeartbeatAck; Bye.
+- rollout: Credit(n) grants n slots; broker sends DispatchGroups when admission allows;
+  worker returns GroupsGenerated -> Ack. WeightVersionAnnounce tells it a newer version exists.
+- reward: Credit(n); broker sends ScoreGroups; worker returns GroupsScored -> Ack.
+- trainer: BatchRequest -> TrainBatch (held until enough admissible groups exist);
+  StepDone and WeightsPublished -> Ack.
+- status: StatusRequest -> StatusReply.
+- any malformed or unexpected message -> ErrorReply; Shutdown ends a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from vime.protocol.codec import Message, require
+
+Role = Literal["rollout", "reward", "trainer", "status"]
+SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
+
+
+class Sample(Message, tag="sample"):
+    """One generated response of a prompt group, as produced by a rollout engine."""
+
+    index: int
+    response_tokens: np.ndarray
+    rollout_logprobs: np.ndarray
+    loss_mask: np.ndarray
+    token_versions: np.ndarray
+    finish_reason: str
+    response_text: str = ""
+    status: SampleStatus = "completed"
+    reward: float | None = None
+    reward_extra: dict[str, Any] = {}
+    failure_reason: str | None = None
+    # R3 routing trace [tokens - 1, moe_layers, top_k], uint8/uint16; None for dense models.
+    routed_experts: np.ndarray | None = None
+    num_experts: int | None = None
+
+    def validate(self) -> None:
+        n = _length_of(self.response_tokens, "int32", "response_tokens")
+        _length_of(self.rollout_logprobs, "float32", "rollout_logprobs", expected=n)
+        _length_of(self.loss_mask, "uint8", "loss_mask", expected=n)
+        _length_of(self.token_versions, "int32", "token_versions", expected=n)
+        if self.reward is not None:
+            require(np.isfinite(self.reward), f"sample {self.index}: reward {self.reward} is not finite")
+
+    @property
+    def min_version(self) -> int:
+        return int(self.token_versions.min()) if len(self.token_versions) else -1
+
+
+class Group(Message, tag="group"):
+    """A prompt and its n samples: the unit of dispatch, scoring, buffering and staleness."""
+
+    group_id: str
+    prompt_index: int
+    epoch: int
+    prompt_tokens: np.ndarray
+    prompt_text: str
+    n_samples: int
+    label: str | None = None
+    metadata: dict[str, Any] = {}
+    # The rollout worker must hold at least this weight version before it starts generating.
+    min_weight_version: int = 0
+    samples: list[Sample] = []
+
+    def validate(self) -> None:
+        _length_of(self.prompt_tokens, "int32", f"group {self.group_id} prompt_tokens")
+        require(self.n_samples >= 1, f"group {self.group_id}: n_samples must be >= 1")
+        require(len(self.samples) <= self.n_samples, f"group {self.group_id}: more samples than n_samples")
+        for sample in self.samples:
+            sample.validate()
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that produced any token of this group (-1 if no tokens)."""
+        versions = [s.min_version for s in self.samples if len(s.token_versions)]
+        return min(versions) if versions else -1
+
+
+def _length_of(arr: np.ndarray, dtype: str, what: str, expected: int | None = None) -> int:
+    require(arr.ndim == 1, f"{what} must be 1-D, got shape {arr.shape}")
+    require(arr.dtype.name == dtype, f"{what} must be {dtype}, got {arr.dtype.name}")
+    if expected is not None:
+        require(len(arr) == expected, f"{what} has {len(arr)} entries, expected {expected}")
+    return len(arr)
+
+
+# --- session ---------------------------------------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    role: Role
+    worker_id: str
+    host: str = ""
+    pid: int = 0
+    weight_version: int = -1
+    info: dict[str, Any] = {}
+
+
+class JobInfo(Message, tag="job_info"):
+    """What a worker needs to know about the job, sent in Welcome."""
+
+    n_samples_per_prompt: int
+    sampling: dict[str, Any]
+    weight_version: int
+    weight_endpoint: str | None
+    max_staleness: int
+    rm_type: str = "arithmetic"
+
+
+class Welcome(Message, tag="welcome"):
+    worker_id: str
+    job: JobInfo
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    weight_version: int = -1
+    in_flight: int = 0
+    stats: dict[str, float] = {}
+
+
+class HeartbeatAck(Message, tag="heartbeat_ack"):
+    weight_version: int
+    weight_endpoint: str | None
+
+
+class Bye(Message, tag="bye"):
+    reason: str = ""
+
+
+class Shutdown(Message, tag="shutdown"):
+    reason: str
+
+
+class Ack(Message, tag="ack"):
+    ids: list[str] = []
+    detail: str = ""
+
+
+class ErrorReply(Message, tag="error"):
+    code: str
+    detail: str
+
+
+# --- rollout and reward work -----------------------------------------------------------------------
+
+
+class Credit(Message, tag="credit"):
+    """The worker can take `n` more groups now."""
+
+    n: int
+
+    def validate(self) -> None:
+        require(0 < self.n <= 4096, f"credit must be in 1..4096, got {self.n}")
+
+
+class DispatchGroups(Message, tag="dispatch_groups"):
+    groups: list[Group]
+
+
+class GroupsGenerated(Message, tag="groups_generated"):
+    groups: list[Group]
+
+    def validate(self) -> None:
+        for group in self.groups:
+            group.validate()
+            require(len(group.samples) == group.n_samples, f"group {group.group_id}: incomplete samples")
+
+
+class WeightVersionAnnounce(Message, tag="weight_version"):
+    version: int
+    endpoint: str
+
+
+class ScoreGroups(Message, tag="score_groups"):
+    groups: list[Group]
+
+
+class GroupScores(Message, tag="group_scores"):
+    group_id: str
+    rewards: list[float]
+    failed: list[bool]
+    reasons: list[str | None]
+    extras: list[dict[str, Any]] = []
+
+    def validate(self) -> None:
+        require(len(self.failed) == len(self.rewards), f"group {self.group_id}: failed/rewards lengths differ")
+        require(len(self.reasons) == len(self.rewards), f"group {self.group_id}: reasons/rewards lengths differ")
+        for reward in self.rewards:
+            require(np.isfinite(reward), f"group {self.group_id}: reward {reward} is not finite")
+
+
+class GroupsScored(Message, tag="groups_scored"):
+    scores: list[GroupScores]
+
+    def validate(self) -> None:
+        for score in self.scores:
+            score.validate()
+
+
+# --- trainer -----------------------------------------------------------------------------------------
+
+
+class BatchRequest(Message, tag="batch_request"):
+    """Trainer rank 0 asks for the groups of training step `step`, trained by weights `policy_version`."""
+
+    step: int
+    n_groups: int
+    policy_version: int
+
+    def validate(self) -> None:
+        require(self.n_groups >= 1, "n_groups must be >= 1")
+        require(self.step >= 0, "step must be >= 0")
+
+
+class TrainBatch(Message, tag="train_batch"):
+    step: int
+    groups: list[Group]
+    stats: dict[str, float] = {}
+
+
+class StepDone(Message, tag="step_done"):
+    step: int
+    group_ids: list[str]
+    metrics: dict[str, float] = {}
+
+
+class WeightsPublished(Message, tag="weights_published"):
+    version: int
+    endpoint: str
+    step: int
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+# --- status ------------------------------------------------------------------------------------------
+
+
+class StatusRequest(Message, tag="status_request"):
+    pass
+
+
+class StatusReply(Message, tag="status_reply"):
+    status: dict[str, Any]
