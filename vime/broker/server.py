@@ -11,7 +11,6 @@ snapshot to the run directory for `vime status` when the broker is not reachable
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -79,9 +78,7 @@ class BrokerServer:
         self._stop = True
 
     def serve(self, *, linger_after_finish_s: float = 5.0) -> None:
-        """Run until stopped (SIGINT/SIGTERM) or until training finished and workers were told."""
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+        """Run until `stop()` (the program wires SIGINT/SIGTERM to it) or until training finished."""
         finished_at: float | None = None
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)

@@ -1,0 +1,75 @@
+"""Config: YAML + slime-style flags + --vllm-* pass-through; clear errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vime.config import ConfigError, build_parser, load_config, parse_config, split_vllm_flags
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_flags_override_yaml_and_vllm_args_pass_through(tmp_path: Path) -> None:
+    path = write(tmp_path, "rollout-batch-size: 4\nn_samples_per_prompt: 2\nvllm:\n  dtype: bfloat16\n")
+    cfg, _ = parse_config(["--config", str(path), "--rollout-batch-size", "8", "--use-kl-loss", "--vllm-max-model-len", "128", "--vllm-enforce-eager=true"])
+    assert cfg.rollout_batch_size == 8 and cfg.n_samples_per_prompt == 2 and cfg.use_kl_loss is True
+    assert cfg.vllm == {"dtype": "bfloat16", "max_model_len": 128, "enforce_eager": True}
+
+
+def test_unknown_flag_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--rollout-batch-sise", "8"])
+    assert "unrecognized arguments: --rollout-batch-sise" in capsys.readouterr().err
+
+
+def test_unknown_yaml_key_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rollout_batch_sise"):
+        load_config(write(tmp_path, "rollout_batch_sise: 3\n"))
+
+
+def test_wrong_type_and_range_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rollout_batch_size"):
+        load_config(write(tmp_path, "rollout_batch_size: many\n"))
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, {"max_staleness": -1})
+
+
+def test_inconsistent_batch_shape_is_explained() -> None:
+    with pytest.raises(ConfigError, match="not a multiple of global_batch_size"):
+        load_config(None, {"rollout_batch_size": 3, "n_samples_per_prompt": 3, "global_batch_size": 4})
+
+
+def test_custom_reward_needs_a_path() -> None:
+    with pytest.raises(ConfigError, match="custom_rm_path"):
+        load_config(None, {"rm_type": "custom"})
+
+
+def test_bad_yaml_and_missing_file_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1, 2\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_vllm_flag_without_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="needs a value"):
+        split_vllm_flags(["--vllm-dtype"])
+
+
+def test_demo_config_loads() -> None:
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
+    assert cfg.prompt_data == "demo:arithmetic" and cfg.vllm["dtype"] == "bfloat16"
+
+
+def test_every_field_has_a_flag() -> None:
+    text = build_parser().format_help()
+    for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip-high", "--kl-loss-type", "--use-tis", "--max-staleness", "--custom-rm-path", "--apply-chat-template"]:
+        assert flag in text
