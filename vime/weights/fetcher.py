@@ -1,0 +1,315 @@
+"""The rollout side of the weight channel: pull the latest weight version from a `WeightPublisher`.
+
+`WeightFetcher.fetch(min_version)` asks for the manifest of the publisher's latest version (waiting,
+with backoff, until one >= min_version exists), then pulls its chunks with a credit window: `window`
+chunk requests are in flight at any time and each arriving chunk frees a credit for the next request
+(the ZeroMQ guide's file-transfer pattern), so the publisher's socket never queues more than `window`
+chunks for us and the link stays busy. Every chunk is copied into one receive buffer and checked
+against the manifest's CRC-32; a chunk that fails is requested again (up to `MAX_CHUNK_RETRIES` times).
+The tensors returned are views of that buffer, with their original names, dtypes and shapes.
+
+It is built to run inside a vLLM worker process: it has its own ZeroMQ context, needs only pyzmq,
+msgspec, numpy and torch, and takes nothing but an endpoint string to construct.
+
+Waits and failures (all raise `WeightFetchError`, whose message names the endpoint and the cause):
+- no connection to the publisher within `timeout_s` (IMMEDIATE=1: requests are never queued for a peer
+  that is not there, so a dead endpoint shows up as "could not connect");
+- no reply for `timeout_s` while one is expected (a transfer may take longer than `timeout_s` in total,
+  as long as replies keep coming);
+- no version >= min_version appeared within `timeout_s`;
+- a chunk failed its checksum `MAX_CHUNK_RETRIES + 1` times, or the publisher refused a request in a
+  way a retry cannot fix.
+If the publisher drops the version being fetched (it published newer ones), the fetch restarts on the
+latest version, at most `MAX_RESTARTS` times.
+
+Not thread-safe: one fetch at a time per fetcher. Create it after any fork.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from vime.logging import get_logger
+from vime.protocol.codec import DEFAULT_MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+from vime.protocol.weights import (
+    ERROR_NOT_READY,
+    ERROR_SUPERSEDED,
+    ERROR_UNKNOWN_VERSION,
+    FETCHER_ACCEPTS,
+    MAX_CHUNK_BYTES,
+    MAX_FETCH_ID,
+    WeightChunk,
+    WeightChunkRequest,
+    WeightError,
+    WeightFetch,
+    WeightFetchAck,
+    WeightFetchDone,
+    WeightManifest,
+    chunk_span,
+)
+
+log = get_logger(__name__)
+
+MAX_CHUNK_RETRIES = 3  # re-requests of one chunk after checksum failures before giving up
+MAX_RESTARTS = 8  # restarts because the publisher dropped the version being fetched
+MAX_WINDOW = 64
+# Polling backoff while the publisher has no version >= min_version yet.
+_NOT_READY_BACKOFF_S = (0.01, 0.25)
+# How long to wait for the ack of WeightFetchDone; the weights are already verified, so a missing ack
+# is only logged.
+_ACK_WAIT_S = 1.0
+
+
+class WeightFetchError(RuntimeError):
+    """A fetch that failed in a way retrying within this call cannot fix."""
+
+
+class _Restart(Exception):
+    """The version being fetched is gone from the publisher; start over on the latest."""
+
+
+@dataclass
+class FetchedWeights:
+    """One verified weight version. `tensors` are CPU views of a single buffer of `nbytes` bytes."""
+
+    version: int
+    tensors: list[tuple[str, torch.Tensor]]
+    nbytes: int
+    seconds: float
+
+
+class WeightFetcher:
+    """Pulls versioned weights from the `WeightPublisher` at `endpoint`. Also a context manager."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 60.0, window: int = 4) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 1 <= window <= MAX_WINDOW:
+            raise ValueError(f"window must be in [1, {MAX_WINDOW}], got {window}")
+        self._endpoint = endpoint
+        self._timeout_s = float(timeout_s)
+        self._window = window
+        # Test hook: called with the chunk index after each verified chunk (e.g. to publish mid-fetch).
+        self._after_chunk: Callable[[int], None] | None = None
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)  # close() must not block on unsent requests
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a publisher that isn't there
+        self._sock.setsockopt(zmq.SNDHWM, 4 * MAX_WINDOW)
+        self._sock.setsockopt(zmq.RCVHWM, 4 * MAX_WINDOW)
+        # Guards against a peer that sends absurd frames: the largest legal frame is a chunk or a header.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES) + (64 << 10))
+        self._sock.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def fetch(self, min_version: int = 0) -> FetchedWeights:
+        """Block until the publisher's latest version (>= min_version) is here, verified; return it."""
+        if self._closed:
+            raise WeightFetchError("fetch on a closed WeightFetcher")
+        if min_version < 0:
+            raise ValueError(f"min_version must be >= 0, got {min_version}")
+        start = time.perf_counter()
+        for attempt in range(MAX_RESTARTS + 1):
+            fetch_id = secrets.randbelow(MAX_FETCH_ID) + 1
+            manifest = self._manifest(fetch_id, min_version)
+            try:
+                tensors = self._pull(manifest)
+            except _Restart as why:
+                # The next manifest is the publisher's latest, whatever that is now.
+                log.info("weight fetch restarting", endpoint=self._endpoint, reason=str(why), attempt=attempt)
+                continue
+            seconds = time.perf_counter() - start
+            self._report_done(manifest, seconds)
+            log.info(
+                "weights fetched",
+                version=manifest.version,
+                nbytes=manifest.total_bytes,
+                seconds=round(seconds, 4),
+                endpoint=self._endpoint,
+            )
+            return FetchedWeights(manifest.version, tensors, manifest.total_bytes, seconds)
+        raise WeightFetchError(
+            f"publisher at {self._endpoint} replaced versions {MAX_RESTARTS + 1} times during one fetch; "
+            "it publishes faster than this fetcher can pull (raise the publisher's `keep`)"
+        )
+
+    def close(self) -> None:
+        """Close the socket and context. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> WeightFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- steps of a fetch ----------------------------------------------------------------------
+
+    def _manifest(self, fetch_id: int, min_version: int) -> WeightManifest:
+        """Ask for the latest manifest until one >= min_version exists or timeout_s has passed."""
+        version_deadline = time.monotonic() + self._timeout_s
+        backoff = _NOT_READY_BACKOFF_S[0]
+        while True:
+            # Each request may wait timeout_s for its reply; polling for the version is bounded separately.
+            reply_deadline = time.monotonic() + self._timeout_s
+            self._send(WeightFetch(fetch_id=fetch_id, min_version=min_version), reply_deadline)
+            reply = self._recv(fetch_id, reply_deadline, waiting_for="a manifest")
+            if isinstance(reply, WeightManifest):
+                if reply.version < min_version:  # a publisher that ignores min_version is broken
+                    raise WeightFetchError(f"publisher sent version {reply.version}, asked for >= {min_version}")
+                return reply
+            if isinstance(reply, WeightError) and reply.code == ERROR_NOT_READY:
+                remaining = version_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WeightFetchError(
+                        f"publisher at {self._endpoint} has version {reply.latest_version}; no version "
+                        f">= {min_version} appeared within {self._timeout_s:g} s"
+                    )
+                time.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, _NOT_READY_BACKOFF_S[1])
+                continue
+            raise self._refused(reply, "a manifest")
+
+    def _pull(self, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
+        """Pull every chunk of `manifest` into one buffer with `window` requests in flight; verify each."""
+        total, size, crcs = manifest.total_bytes, manifest.chunk_bytes, manifest.chunk_crc32
+        buffer = np.empty(total, dtype=np.uint8)
+        todo: deque[int] = deque(range(len(crcs)))  # chunks not yet requested (or to re-request)
+        in_flight: set[int] = set()
+        failures: dict[int, int] = {}
+        done = 0
+        while done < len(crcs):
+            while todo and len(in_flight) < self._window:
+                index = todo.popleft()
+                request = WeightChunkRequest(fetch_id=manifest.fetch_id, version=manifest.version, index=index)
+                self._send(request, time.monotonic() + self._timeout_s)
+                in_flight.add(index)
+            deadline = time.monotonic() + self._timeout_s
+            reply = self._recv(manifest.fetch_id, deadline, waiting_for=f"chunks of version {manifest.version}")
+            if isinstance(reply, WeightError):
+                if reply.code in (ERROR_SUPERSEDED, ERROR_UNKNOWN_VERSION):
+                    raise _Restart(f"{reply.code}: {reply.detail}")
+                raise self._refused(reply, f"a chunk of version {manifest.version}")
+            if not isinstance(reply, WeightChunk) or reply.version != manifest.version:
+                continue  # an ack or manifest repeated by a confused peer; nothing to do with it
+            index = reply.index
+            if index not in in_flight:
+                continue  # a duplicate of a chunk we already hold
+            in_flight.discard(index)
+            start, end = chunk_span(index, total, size)
+            target = buffer[start:end]
+            if reply.data.size == target.size:
+                target[:] = reply.data  # the one copy: frame -> final place
+                intact = zlib.crc32(target) == crcs[index]  # check the bytes we will return
+            else:
+                intact = False
+            if not intact:
+                failures[index] = failures.get(index, 0) + 1
+                log.warning(
+                    "weight chunk failed its checksum",
+                    version=manifest.version,
+                    index=index,
+                    failures=failures[index],
+                    endpoint=self._endpoint,
+                )
+                if failures[index] > MAX_CHUNK_RETRIES:
+                    raise WeightFetchError(
+                        f"chunk {index} of version {manifest.version} from {self._endpoint} failed its "
+                        f"checksum {failures[index]} times"
+                    )
+                todo.appendleft(index)
+                continue
+            done += 1
+            if self._after_chunk is not None:
+                self._after_chunk(index)
+        return _tensors_from(buffer, manifest)
+
+    def _report_done(self, manifest: WeightManifest, seconds: float) -> None:
+        """Tell the publisher we hold this version and wait briefly for its ack (logged if missing)."""
+        done = WeightFetchDone(
+            fetch_id=manifest.fetch_id, version=manifest.version, nbytes=manifest.total_bytes, seconds=seconds
+        )
+        deadline = time.monotonic() + min(_ACK_WAIT_S, self._timeout_s)
+        try:
+            self._send(done, deadline)
+            while True:
+                reply = self._recv(manifest.fetch_id, deadline, waiting_for="the fetch ack")
+                if isinstance(reply, WeightFetchAck):
+                    return
+        except WeightFetchError as exc:
+            log.warning("weight fetch not acknowledged", version=manifest.version, error=str(exc))
+
+    # --- socket helpers --------------------------------------------------------------------------
+
+    def _send(self, msg: Message, deadline: float) -> None:
+        """Send once the publisher is connected; raise if it is not connected by `deadline`."""
+        while True:
+            try:
+                self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass  # IMMEDIATE: no live connection yet (or the queue is full); wait for POLLOUT
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
+                raise WeightFetchError(
+                    f"could not connect to the weight publisher at {self._endpoint} within "
+                    f"{self._timeout_s:g} s (is it running?)"
+                )
+
+    def _recv(self, fetch_id: int, deadline: float, *, waiting_for: str) -> Message:
+        """The next reply of this fetch; replies of earlier fetches are dropped. Raise at `deadline`."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._poller.poll(int(remaining * 1000) + 1):
+                raise WeightFetchError(
+                    f"no reply from the weight publisher at {self._endpoint} within {self._timeout_s:g} s "
+                    f"while waiting for {waiting_for}"
+                )
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                reply = decode(frames, expect=FETCHER_ACCEPTS)
+            except ProtocolError as exc:
+                # The publisher speaks our protocol or it is not a publisher; retrying cannot help.
+                raise WeightFetchError(f"unreadable reply from {self._endpoint}: {exc}") from None
+            reply_id = getattr(reply, "fetch_id", 0)
+            if reply_id == fetch_id or (isinstance(reply, WeightError) and reply_id == 0):
+                return reply
+            log.debug("stale weight reply dropped", reply_type=type(reply).__name__, fetch_id=reply_id)
+
+    def _refused(self, reply: Message, what: str) -> WeightFetchError:
+        if isinstance(reply, WeightError):
+            return WeightFetchError(
+                f"publisher at {self._endpoint} refused {what}: {reply.code}: {reply.detail}"
+            )
+        return WeightFetchError(f"publisher at {self._endpoint} answered {type(reply).__name__} to {what}")
+
+
+def _tensors_from(buffer: np.ndarray, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
+    """Views of `buffer` as the manifest's tensors (offsets are aligned, so `.view(dtype)` is legal)."""
+    base = torch.from_numpy(buffer)
+    out: list[tuple[str, torch.Tensor]] = []
+    for spec in manifest.tensors:
+        raw = base[spec.offset : spec.offset + spec.nbytes]
+        tensor = raw.view(getattr(torch, spec.dtype)).reshape(spec.shape)
+        out.append((spec.name, tensor))
+    return out
+

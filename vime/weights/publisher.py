@@ -1,0 +1,455 @@
+"""The trainer's side of the weight channel: snapshot a state dict, serve it in chunks over ZeroMQ.
+
+`WeightPublisher.publish(version, tensors)` copies the tensors (any dtype, CPU or CUDA) into one
+contiguous host buffer, records a manifest (name, dtype, shape, byte range per tensor) and a CRC-32 per
+chunk, and makes it the latest version. A background thread with its own ZeroMQ context answers
+fetchers on a ROUTER socket; every chunk is sent as a zero-copy view of the snapshot, so serving N
+fetchers costs no extra memory.
+
+Versions and memory: the publisher keeps the newest `keep` snapshots (default 2). A fetch that started
+on version v finishes on v even if v+1 is published meanwhile; only when v falls out of the window
+(v+2 published with keep=2) are its chunk requests answered with `superseded`, and the fetcher restarts
+on the latest version. So a fetch that takes less than one publish interval always completes, and the
+host holds at most `keep` snapshots: the oldest is dropped *before* a new one is built, and its buffer
+is reused for the new one when the size matches and ZeroMQ has finished sending every chunk queued
+from it (chunk sends are tracked); otherwise it is freed once those sends complete and a fresh buffer
+is allocated. Reuse matters: writing into fresh memory page-faults, and publish blocks the trainer.
+
+Failure modes: `publish` raises ValueError for a non-increasing version, a duplicate or empty name or an
+unsupported dtype, before anything changes. The server thread never dies on input: malformed or
+unexpected requests get a `WeightError` reply and a log line; a bug while handling a request is logged
+with its traceback and answered `internal`. Replies to peers that vanished or stopped reading are
+dropped (ROUTER_MANDATORY turns those into errors we can log instead of silent drops).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from vime.logging import get_logger
+from vime.protocol.codec import Message, ProtocolError, decode, encode
+from vime.protocol.weights import (
+    DEFAULT_CHUNK_BYTES,
+    ERROR_BAD_REQUEST,
+    ERROR_INTERNAL,
+    ERROR_NOT_READY,
+    ERROR_SUPERSEDED,
+    ERROR_UNKNOWN_VERSION,
+    MAX_CHUNK_BYTES,
+    MAX_REQUEST_BYTES,
+    MIN_CHUNK_BYTES,
+    PUBLISHER_ACCEPTS,
+    TENSOR_ALIGN,
+    WEIGHT_DTYPES,
+    TensorSpec,
+    WeightChunk,
+    WeightChunkRequest,
+    WeightError,
+    WeightFetch,
+    WeightFetchAck,
+    WeightFetchDone,
+    WeightManifest,
+    chunk_count,
+    chunk_span,
+)
+
+log = get_logger(__name__)
+
+# Replies queued per fetcher before the ROUTER refuses more. Fetchers keep only a few requests in
+# flight, so this is only reached by a peer that sends requests without reading replies.
+_SNDHWM = 1024
+_RCVHWM = 1024
+# How many requests one loop iteration drains before checking the control socket again.
+_BURST = 64
+# A held snapshot's list of chunk-send trackers is pruned of finished ones past this length.
+_PRUNE_TRACKERS = 256
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What one `publish` did: bytes snapshotted (incl. alignment padding) and time taken."""
+
+    version: int
+    nbytes: int
+    num_tensors: int
+    num_chunks: int
+    seconds: float
+    copy_seconds: float
+    checksum_seconds: float
+
+
+@dataclass
+class _Snapshot:
+    """One published version. `buffer` is not written while the snapshot is held or being sent."""
+
+    version: int
+    buffer: np.ndarray  # uint8, total_bytes long
+    chunk_bytes: int
+    tensors: list[TensorSpec]
+    chunk_crc32: list[int]
+    # Trackers of zero-copy chunk sends from `buffer` (appended by the server thread under the
+    # publisher's lock). The buffer may be rewritten only when all are done.
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def sending(self) -> bool:
+        """Whether libzmq still holds chunk frames that point into `buffer`."""
+        self.trackers = [t for t in self.trackers if not t.done]
+        return bool(self.trackers)
+
+    def manifest(self, fetch_id: int) -> WeightManifest:
+        return WeightManifest(
+            fetch_id=fetch_id,
+            version=self.version,
+            total_bytes=int(self.buffer.size),
+            chunk_bytes=self.chunk_bytes,
+            tensors=self.tensors,
+            chunk_crc32=self.chunk_crc32,
+        )
+
+    def chunk(self, index: int) -> np.ndarray:
+        start, end = chunk_span(index, int(self.buffer.size), self.chunk_bytes)
+        return self.buffer[start:end]
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _align(offset: int) -> int:
+    return -(-offset // TENSOR_ALIGN) * TENSOR_ALIGN
+
+
+class WeightPublisher:
+    """Serves versioned weight snapshots to any number of `WeightFetcher`s.
+
+    Create it in the trainer's rank-0 process (after any fork). `publish` is called from the training
+    loop; the serving thread runs until `close()`. Also a context manager.
+    """
+
+    def __init__(
+        self, bind: str = "tcp://127.0.0.1:*", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 2
+    ) -> None:
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self._chunk_bytes = chunk_bytes
+        self._keep = keep
+        self._snapshots: dict[int, _Snapshot] = {}  # guarded by _lock; the server thread reads it
+        self._latest: int | None = None
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # one publish at a time
+        self._completed: dict[int, int] = {}  # version -> fetches reported done (server thread only)
+        # Test hook: called with (version, index, chunk) before a chunk is sent; returns the array to
+        # send. Lets tests corrupt chunks in flight. None in production.
+        self._chunk_filter: Callable[[int, int, np.ndarray], np.ndarray] | None = None
+
+        # Own context: the trainer process may have others (or fork-unsafe ones); ours ends with us.
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)  # close() must not wait for slow fetchers
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise instead of vanishing
+        self._router.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._router.setsockopt(zmq.RCVHWM, _RCVHWM)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # requests are tiny; drop floods
+        try:
+            self._router.bind(bind)
+        except zmq.ZMQError:
+            self._router.close()
+            self._ctx.term()
+            raise
+        self._endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # close() wakes the server thread through this pair instead of a polling timeout.
+        wake_addr = f"inproc://vime-weights-wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(wake_addr)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="vime-weight-publisher", daemon=True)
+        self._thread.start()
+        log.info("weight publisher listening", endpoint=self._endpoint, chunk_bytes=chunk_bytes, keep=keep)
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint with the real port, e.g. "tcp://127.0.0.1:41234"."""
+        return self._endpoint
+
+    @property
+    def latest_version(self) -> int | None:
+        """The newest published version, or None before the first publish."""
+        return self._latest
+
+    def completed_fetches(self, version: int) -> int:
+        """How many fetchers reported (WeightFetchDone) that they hold `version`."""
+        return self._completed.get(version, 0)
+
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishStats:
+        """Snapshot `tensors` as `version` and make it the one fetchers get.
+
+        Copies every tensor (CPU or CUDA, any dtype in WEIGHT_DTYPES) into one host buffer, so the
+        caller may modify or free its tensors as soon as this returns. Raises ValueError, changing
+        nothing, if `version` is not greater than the latest or a tensor is unusable.
+        """
+        start = time.perf_counter()
+        with self._publish_lock:
+            if self._closed:
+                raise RuntimeError("publish on a closed WeightPublisher")
+            if not isinstance(version, int) or version < 0:
+                raise ValueError(f"version must be a non-negative int, got {version!r}")
+            if self._latest is not None and version <= self._latest:
+                raise ValueError(f"versions must increase: latest is {self._latest}, got {version}")
+            items = list(tensors)  # references only; we need sizes before allocating
+            specs = self._layout(items)
+            total = _align(max((s.offset + s.nbytes for s in specs), default=0))
+
+            # Make room first, so the host never holds more than `keep` snapshots at once. Once a
+            # snapshot is out of the dict the server thread starts no new sends from it.
+            with self._lock:
+                dropped = []
+                while len(self._snapshots) >= self._keep:
+                    dropped.append(self._snapshots.pop(min(self._snapshots)))
+            buffer = self._reusable_buffer(dropped, total)
+            del dropped
+
+            copy_start = time.perf_counter()
+            host = torch.from_numpy(buffer)
+            cursor = 0
+            for (_, tensor), spec in zip(items, specs):
+                host[cursor : spec.offset].zero_()  # padding: deterministic bytes, no stale data
+                if spec.nbytes:
+                    src = tensor.detach().reshape(-1).view(torch.uint8)  # reshape copies only if strided
+                    host[spec.offset : spec.offset + spec.nbytes].copy_(src)
+                cursor = max(cursor, spec.offset + spec.nbytes)
+            host[cursor:].zero_()
+            copy_seconds = time.perf_counter() - copy_start
+
+            crc_start = time.perf_counter()
+            n_chunks = chunk_count(total, self._chunk_bytes)
+            crcs = [zlib.crc32(buffer[slice(*chunk_span(i, total, self._chunk_bytes))]) for i in range(n_chunks)]
+            checksum_seconds = time.perf_counter() - crc_start
+
+            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, crcs)
+            with self._lock:
+                self._snapshots[version] = snapshot
+                self._latest = version
+        stats = PublishStats(
+            version=version,
+            nbytes=total,
+            num_tensors=len(specs),
+            num_chunks=n_chunks,
+            seconds=time.perf_counter() - start,
+            copy_seconds=copy_seconds,
+            checksum_seconds=checksum_seconds,
+        )
+        log.info(
+            "weights published",
+            version=version,
+            nbytes=total,
+            tensors=len(specs),
+            chunks=n_chunks,
+            seconds=round(stats.seconds, 4),
+        )
+        return stats
+
+    @staticmethod
+    def _reusable_buffer(dropped: list[_Snapshot], total: int) -> np.ndarray:
+        """A dropped snapshot's buffer if it has the right size and nothing is sending from it, else a new one."""
+        for old in dropped:
+            if old.buffer.size == total and not old.sending():
+                log.debug("weight snapshot buffer reused", dropped_version=old.version, nbytes=total)
+                return old.buffer
+        # Dropped buffers still being sent stay alive (pyzmq holds them) until their sends finish.
+        return np.empty(total, dtype=np.uint8)
+
+    @staticmethod
+    def _layout(items: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+        """Check names and dtypes and assign each tensor an aligned byte range."""
+        specs: list[TensorSpec] = []
+        seen: set[str] = set()
+        offset = 0
+        for entry in items:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValueError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
+            name, tensor = entry
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears twice")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            dtype = _dtype_name(tensor)
+            if dtype not in WEIGHT_DTYPES:
+                raise ValueError(f"{name!r} has dtype {dtype}, supported: {sorted(WEIGHT_DTYPES)}")
+            seen.add(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            specs.append(TensorSpec(name=name, dtype=dtype, shape=list(tensor.shape), offset=offset, nbytes=nbytes))
+            offset = _align(offset + nbytes)
+        return specs
+
+    def close(self) -> None:
+        """Stop serving and free the sockets and snapshots. Idempotent; fetches in flight will time out."""
+        with self._publish_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake_tx.send(b"stop")
+        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():  # should not happen: the loop checks the wake socket every burst
+            log.error("weight publisher thread did not stop; leaking its sockets")
+            return
+        self._wake_tx.close()
+        self._ctx.term()
+        with self._lock:
+            self._snapshots.clear()
+        log.info("weight publisher closed", endpoint=self._endpoint)
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- server thread -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._wake_rx in events:
+                    return
+                for _ in range(_BURST):
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        finally:
+            self._router.close()
+            self._wake_rx.close()
+
+    def _handle(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        fetch_id = 0
+        try:
+            request = decode(
+                body,
+                expect=PUBLISHER_ACCEPTS,
+                max_header_bytes=MAX_REQUEST_BYTES,
+                max_frames=2,
+                max_total_bytes=MAX_REQUEST_BYTES,
+            )
+            fetch_id = request.fetch_id  # type: ignore[attr-defined]
+            if isinstance(request, WeightChunkRequest):
+                # Look up, send and track under the lock, so `publish` never rewrites a buffer that a
+                # send is about to point into.
+                with self._lock:
+                    reply, snapshot = self._answer_chunk(request)
+                    tracker = self._send(identity, reply, track=snapshot is not None)
+                    if snapshot is not None and tracker is not None:
+                        snapshot.trackers.append(tracker)
+                        if len(snapshot.trackers) > _PRUNE_TRACKERS:  # bound the list on busy versions
+                            snapshot.sending()
+                return
+            reply = self._answer(request)
+        except ProtocolError as exc:
+            log.warning("bad weight request", peer=identity.hex(), code=exc.code, detail=exc.detail[:200])
+            reply = WeightError(code=exc.code, detail=exc.detail[:1000], latest_version=self._latest)
+        except Exception as exc:  # a bug here must not take the channel down with it
+            log.exception("weight request failed", peer=identity.hex())
+            reply = WeightError(
+                code=ERROR_INTERNAL, detail=f"{type(exc).__name__}: {exc}"[:1000], fetch_id=fetch_id
+            )
+        self._send(identity, reply)
+
+    def _answer_chunk(self, request: WeightChunkRequest) -> tuple[Message, _Snapshot | None]:
+        """The reply to a chunk request, and the snapshot its data points into (None for errors).
+
+        Called with `_lock` held.
+        """
+        latest = self._latest
+        snapshot = self._snapshots.get(request.version)
+        if snapshot is None:
+            superseded = latest is not None and request.version < latest
+            error = WeightError(
+                code=ERROR_SUPERSEDED if superseded else ERROR_UNKNOWN_VERSION,
+                detail=f"version {request.version} is not held here (latest {latest})",
+                fetch_id=request.fetch_id,
+                latest_version=latest,
+            )
+            return error, None
+        n_chunks = len(snapshot.chunk_crc32)
+        if request.index >= n_chunks:
+            error = WeightError(
+                code=ERROR_BAD_REQUEST,
+                detail=f"chunk {request.index} of version {request.version}, which has {n_chunks}",
+                fetch_id=request.fetch_id,
+                latest_version=latest,
+            )
+            return error, None
+        data = snapshot.chunk(request.index)
+        if self._chunk_filter is not None:
+            data = self._chunk_filter(request.version, request.index, data)
+        chunk = WeightChunk(fetch_id=request.fetch_id, version=request.version, index=request.index, data=data)
+        return chunk, snapshot
+
+    def _answer(self, request: Message) -> Message:
+        """The reply to a manifest request or a done report."""
+        with self._lock:
+            latest = self._latest
+            snapshot = self._snapshots.get(latest) if latest is not None else None
+        if isinstance(request, WeightFetch):
+            # snapshot is None only while a keep=1 publisher is building its next version.
+            if latest is None or snapshot is None or latest < request.min_version:
+                return WeightError(
+                    code=ERROR_NOT_READY,
+                    detail=f"latest version is {latest}, asked for >= {request.min_version}",
+                    fetch_id=request.fetch_id,
+                    latest_version=latest,
+                )
+            return snapshot.manifest(request.fetch_id)
+        if isinstance(request, WeightFetchDone):
+            self._completed[request.version] = self._completed.get(request.version, 0) + 1
+            log.info(
+                "weight fetch done",
+                version=request.version,
+                nbytes=request.nbytes,
+                seconds=round(request.seconds, 4),
+                fetch_id=request.fetch_id,
+            )
+            return WeightFetchAck(fetch_id=request.fetch_id, version=request.version)
+        # decode() only returns PUBLISHER_ACCEPTS types; keep a reply for safety if that list grows.
+        return WeightError(code=ERROR_BAD_REQUEST, detail=f"unexpected {type(request).__name__}")
+
+    def _send(self, identity: bytes, reply: Message, *, track: bool = False) -> zmq.MessageTracker | None:
+        """Send without blocking; returns the tracker of the last frame (the chunk data) if `track`."""
+        try:
+            # Chunk data frames are views of the snapshot: zero-copy, and pyzmq keeps the buffer
+            # alive until libzmq has sent them, even if the version is dropped meanwhile.
+            tracker = self._router.send_multipart(
+                [identity, *encode(reply)], flags=zmq.NOBLOCK, copy=False, track=track
+            )
+            return tracker if track else None
+        except zmq.Again:
+            log.warning("weight reply dropped: fetcher is not reading", peer=identity.hex())
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                log.debug("weight reply dropped: fetcher is gone", peer=identity.hex())
+            else:  # log and keep serving: one peer's trouble must not stop the others
+                log.warning("weight reply failed", peer=identity.hex(), error=str(exc))
+        return None
+
