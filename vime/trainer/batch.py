@@ -1,0 +1,369 @@
+"""Training batches: scored samples in, packed tensors out, split across ranks and micro-batches.
+
+A `RolloutBatch` stores every sample packed end to end (prompt then response) in one flat token tensor
+with offsets, and every per-response-token quantity (rollout logprobs, loss mask, versions, advantages)
+in flat tensors in the same sample order. That layout is compact, broadcasts as a handful of tensors
+(no pickle), and slices cheaply into data-parallel shards and micro-batches.
+
+Alignment convention: a causal LM's logits at position t predict token t+1. For a sample with prompt
+length P and response length R, response token j (0-based) is token P+j of the sequence, so its
+logprob is read from the logits at position P+j-1. `MicroBatch.logit_index` holds exactly those
+positions (flattened over the padded [B, T] micro-batch), and every per-token tensor of a micro-batch
+is aligned with it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+PAD_TOKEN_ID = 0  # never attended to by real tokens (right padding + causal mask), any id works
+
+
+@dataclass
+class SampleRecord:
+    """One scored sample as the trainer receives it from the broker.
+
+    Arrays are 1-D. `rollout_logprobs`, `loss_mask` and `token_versions` have one entry per response
+    token. Raises ValueError on inconsistent shapes, an empty prompt, a loss mask that is not 0/1, or a
+    non-finite rollout logprob on a token that is trained on (non-finite logprobs on masked tokens are
+    zeroed: they never enter the loss). `token_versions=None` means unknown (-1).
+    """
+
+    group_index: int
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    rollout_logprobs: np.ndarray
+    loss_mask: np.ndarray
+    reward: float
+    token_versions: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32).reshape(-1)
+        self.response_tokens = np.ascontiguousarray(self.response_tokens, dtype=np.int32).reshape(-1)
+        self.rollout_logprobs = np.array(self.rollout_logprobs, dtype=np.float32).reshape(-1)
+        self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8).reshape(-1)
+        n = self.response_tokens.size
+        if self.token_versions is None:
+            self.token_versions = np.full(n, -1, dtype=np.int32)
+        self.token_versions = np.ascontiguousarray(self.token_versions, dtype=np.int32).reshape(-1)
+        if self.prompt_tokens.size == 0:
+            raise ValueError("sample has an empty prompt; the first response token needs a prompt position")
+        for name in ("rollout_logprobs", "loss_mask", "token_versions"):
+            if getattr(self, name).size != n:
+                raise ValueError(f"{name} has {getattr(self, name).size} entries for {n} response tokens")
+        if np.any(self.loss_mask > 1):
+            raise ValueError("loss_mask must contain only 0 and 1")
+        bad = ~np.isfinite(self.rollout_logprobs)
+        if np.any(bad & (self.loss_mask == 1)):
+            raise ValueError("non-finite rollout logprob on a token with loss_mask=1")
+        self.rollout_logprobs[bad] = 0.0
+        if not np.isfinite(self.reward):
+            raise ValueError(f"non-finite reward {self.reward}")
+
+
+@dataclass
+class MicroBatch:
+    """Padded model inputs for a few samples plus their response tokens, flat and aligned.
+
+    `input_ids`/`position_ids` are [B, T] (right padded). The per-token tensors are [N] with N = number of
+    response tokens in the micro-batch: `logit_index` (position in the flattened [B*T] logits that predicts
+    the token), `targets`, `token_sample` (row 0..B-1), `token_index` (position in the parent batch's flat
+    response arrays, to look up old/ref logprobs computed earlier), and the aligned training data.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    logit_index: Tensor
+    targets: Tensor
+    token_sample: Tensor
+    token_index: Tensor
+    sample_index: Tensor  # [B] index of each row in the parent batch
+    loss_mask: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+# Order of tensors on the wire for `broadcast`; header carries their lengths.
+_WIRE_FIELDS = (
+    "tokens",
+    "seq_offsets",
+    "prompt_lengths",
+    "resp_offsets",
+    "rollout_logprobs",
+    "loss_mask",
+    "token_versions",
+    "advantages",
+    "rewards",
+    "group_ids",
+    "sample_ids",
+)
+
+
+@dataclass
+class RolloutBatch:
+    """Packed samples on CPU. See module docstring for the layout.
+
+    `sample_ids` are the samples' indices in the batch built by `from_samples`; they survive `select`,
+    `shard` and `chunks`, so results computed on a shard can be put back in the original order.
+    """
+
+    tokens: Tensor  # int32 [sum(P+R)]
+    seq_offsets: Tensor  # int64 [S+1]
+    prompt_lengths: Tensor  # int64 [S]
+    resp_offsets: Tensor  # int64 [S+1]
+    rollout_logprobs: Tensor  # float32 [sum(R)]
+    loss_mask: Tensor  # float32 [sum(R)]
+    token_versions: Tensor  # int32 [sum(R)]
+    advantages: Tensor  # float32 [sum(R)], zeros until the trainer fills it
+    rewards: Tensor  # float32 [S]
+    group_ids: Tensor  # int64 [S]
+    sample_ids: Tensor = field(default=None)  # type: ignore[assignment]  # int64 [S]
+
+    def __post_init__(self) -> None:
+        if self.sample_ids is None:
+            self.sample_ids = torch.arange(self.num_samples, dtype=torch.int64)
+
+    # ------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[SampleRecord]) -> "RolloutBatch":
+        """Pack samples in the given order. Raises ValueError on an empty list."""
+        if not samples:
+            raise ValueError("cannot build a RolloutBatch from zero samples")
+        seqs = [np.concatenate([s.prompt_tokens, s.response_tokens]) for s in samples]
+        resp_lens = [s.response_tokens.size for s in samples]
+        return cls(
+            tokens=torch.from_numpy(np.concatenate(seqs)),
+            seq_offsets=_offsets([x.size for x in seqs]),
+            prompt_lengths=torch.tensor([s.prompt_tokens.size for s in samples], dtype=torch.int64),
+            resp_offsets=_offsets(resp_lens),
+            rollout_logprobs=torch.from_numpy(np.concatenate([s.rollout_logprobs for s in samples])),
+            loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples]).astype(np.float32)),
+            token_versions=torch.from_numpy(np.concatenate([s.token_versions for s in samples])),
+            advantages=torch.zeros(sum(resp_lens), dtype=torch.float32),
+            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+            group_ids=torch.tensor([int(s.group_index) for s in samples], dtype=torch.int64),
+        )
+
+    # ---------------------------------------------------------------------------------- shape info
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_lengths.numel())
+
+    @property
+    def sequence_lengths(self) -> Tensor:
+        return self.seq_offsets[1:] - self.seq_offsets[:-1]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.resp_offsets[1:] - self.resp_offsets[:-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def response_token_sample_ids(self) -> Tensor:
+        """[sum(R)] which sample each flat response token belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_samples), self.response_lengths)
+
+    def split_responses(self, flat: Tensor) -> list[np.ndarray]:
+        """Cut a flat per-response-token tensor into one numpy array per sample."""
+        bounds = self.resp_offsets.tolist()
+        return [flat[a:b].detach().cpu().numpy() for a, b in zip(bounds[:-1], bounds[1:])]
+
+    # -------------------------------------------------------------------------------- subsetting
+
+    def select(self, indices: Sequence[int] | Tensor) -> "RolloutBatch":
+        """New batch with the given samples, in the given order (may be empty)."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        seq_lens, resp_lens = self.sequence_lengths[idx], self.response_lengths[idx]
+        tok = _ranges(self.seq_offsets[idx], seq_lens)
+        resp = _ranges(self.resp_offsets[idx], resp_lens)
+        return RolloutBatch(
+            tokens=self.tokens[tok],
+            seq_offsets=_offsets(seq_lens.tolist()),
+            prompt_lengths=self.prompt_lengths[idx],
+            resp_offsets=_offsets(resp_lens.tolist()),
+            rollout_logprobs=self.rollout_logprobs[resp],
+            loss_mask=self.loss_mask[resp],
+            token_versions=self.token_versions[resp],
+            advantages=self.advantages[resp],
+            rewards=self.rewards[idx],
+            group_ids=self.group_ids[idx],
+            sample_ids=self.sample_ids[idx],
+        )
+
+    def chunks(self, size: int) -> list["RolloutBatch"]:
+        """Consecutive pieces of at most `size` samples (one per optimizer step, slime order)."""
+        if size <= 0:
+            raise ValueError(f"chunk size must be positive, got {size}")
+        return [self.select(range(i, min(i + size, self.num_samples))) for i in range(0, self.num_samples, size)]
+
+    def shard_indices(self, world_size: int) -> list[list[int]]:
+        """Assign samples to `world_size` ranks balancing token counts (longest first, to the lightest).
+
+        Every rank gets a sample when there are at least `world_size` samples: the first `world_size`
+        assignments each go to a distinct still-empty rank. Indices within a shard stay sorted.
+        """
+        if world_size <= 0:
+            raise ValueError(f"world_size must be positive, got {world_size}")
+        lengths = self.sequence_lengths.tolist()
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        heap = [(0, r) for r in range(world_size)]
+        shards: list[list[int]] = [[] for _ in range(world_size)]
+        for i in order:
+            load, r = heapq.heappop(heap)
+            shards[r].append(i)
+            heapq.heappush(heap, (load + lengths[i], r))
+        return [sorted(s) for s in shards]
+
+    def shard(self, rank: int, world_size: int) -> "RolloutBatch":
+        """This rank's data-parallel share (deterministic, identical on all ranks). May be empty when
+        there are fewer samples than ranks; callers must still take part in collectives then."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        return self.select(self.shard_indices(world_size)[rank])
+
+    # ------------------------------------------------------------------------------ micro-batches
+
+    def micro_batches(self, max_tokens: int | None = None, size: int | None = None) -> list[MicroBatch]:
+        """Group samples into padded micro-batches.
+
+        `max_tokens` bounds rows * longest row (the padded tensor the model sees); a sample longer than
+        `max_tokens` still gets a micro-batch of its own. `size` bounds samples per micro-batch. With
+        neither, one micro-batch holds everything. Samples are taken longest first to limit padding.
+        """
+        if self.num_samples == 0:
+            return []
+        lengths = self.sequence_lengths.tolist()
+        order = sorted(range(self.num_samples), key=lambda i: (-lengths[i], i))
+        groups: list[list[int]] = []
+        for i in order:
+            cur = groups[-1] if groups else None
+            fits = cur is not None and (size is None or len(cur) < size)
+            # sorted descending, so the group's first sample is its longest row
+            if fits and max_tokens is not None and (len(cur) + 1) * lengths[cur[0]] > max_tokens:
+                fits = False
+            if fits:
+                cur.append(i)
+            else:
+                groups.append([i])
+        return [self._make_micro_batch(g) for g in groups]
+
+    def _make_micro_batch(self, rows: list[int]) -> MicroBatch:
+        lengths = self.sequence_lengths
+        width = int(lengths[rows].max())
+        input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.int64)
+        logit_index, targets, token_sample, token_index = [], [], [], []
+        for b, i in enumerate(rows):
+            start, seq_len = int(self.seq_offsets[i]), int(lengths[i])
+            seq = self.tokens[start : start + seq_len].to(torch.int64)
+            input_ids[b, :seq_len] = seq
+            p = int(self.prompt_lengths[i])
+            r0, r1 = int(self.resp_offsets[i]), int(self.resp_offsets[i + 1])
+            pos = torch.arange(p - 1, p - 1 + (r1 - r0))  # logits at t predict token t+1
+            logit_index.append(b * width + pos)
+            targets.append(seq[p:])
+            token_sample.append(torch.full((r1 - r0,), b, dtype=torch.int64))
+            token_index.append(torch.arange(r0, r1))
+        token_index_t = torch.cat(token_index)
+        return MicroBatch(
+            input_ids=input_ids,
+            position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
+            logit_index=torch.cat(logit_index),
+            targets=torch.cat(targets),
+            token_sample=torch.cat(token_sample),
+            token_index=token_index_t,
+            sample_index=torch.tensor(rows, dtype=torch.int64),
+            loss_mask=self.loss_mask[token_index_t],
+            rollout_logprobs=self.rollout_logprobs[token_index_t],
+            advantages=self.advantages[token_index_t],
+        )
+
+    # ----------------------------------------------------------------------------------- transport
+
+    def broadcast(self, src: int = 0, group: dist.ProcessGroup | None = None) -> "RolloutBatch":
+        """Send this batch from global rank `src` to every rank of `group`; see `broadcast_batch`.
+
+        Ranks that have no batch call `RolloutBatch.broadcast(None, src=0)` or `broadcast_batch(None)`.
+        """
+        return broadcast_batch(self, src=src, group=group)
+
+
+_WIRE_DTYPES = {
+    "tokens": torch.int32, "seq_offsets": torch.int64, "prompt_lengths": torch.int64,
+    "resp_offsets": torch.int64, "rollout_logprobs": torch.float32, "loss_mask": torch.float32,
+    "token_versions": torch.int32, "advantages": torch.float32, "rewards": torch.float32,
+    "group_ids": torch.int64, "sample_ids": torch.int64,
+}  # fmt: skip
+
+
+def broadcast_batch(
+    batch: RolloutBatch | None, src: int = 0, group: dist.ProcessGroup | None = None
+) -> RolloutBatch:
+    """Every rank of `group` gets the batch held by global rank `src` (others pass None or anything).
+
+    Tensors only (a size header, then one broadcast per field), so no pickle. Returns `batch` itself when
+    torch.distributed is not initialised or the group has one rank. With NCCL the tensors travel through
+    the current CUDA device and come back to CPU. Raises ValueError if `src` has no batch; all ranks
+    must call this together or the others hang in the header broadcast.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if batch is None:
+            raise ValueError("broadcast_batch needs a batch when not running distributed")
+        return batch
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    is_src = dist.get_rank() == src
+    if is_src and batch is None:
+        raise ValueError(f"rank {src} is the broadcast source but has no batch")
+    header = torch.zeros(3, dtype=torch.int64)
+    if is_src:
+        header = torch.tensor([batch.num_samples, batch.num_tokens, batch.rollout_logprobs.numel()], dtype=torch.int64)
+    header = header.to(device)
+    dist.broadcast(header, src=src, group=group)
+    num_samples, num_tokens, num_resp = header.tolist()
+    sizes = {
+        "tokens": num_tokens, "seq_offsets": num_samples + 1, "resp_offsets": num_samples + 1,
+        "prompt_lengths": num_samples, "rewards": num_samples, "group_ids": num_samples, "sample_ids": num_samples,
+    }  # fmt: skip
+    out = {}
+    for name in _WIRE_FIELDS:
+        if is_src:
+            t = getattr(batch, name).to(_WIRE_DTYPES[name]).contiguous().to(device)
+        else:
+            t = torch.empty(sizes.get(name, num_resp), dtype=_WIRE_DTYPES[name], device=device)
+        dist.broadcast(t, src=src, group=group)
+        out[name] = t.cpu()
+    return RolloutBatch(**out)
+
+
+def _offsets(lengths: Sequence[int]) -> Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if len(lengths):
+        out[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int64), 0)
+    return out
+
+
+def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenation of arange(s, s+l) for each (s, l), vectorised."""
+    if lengths.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    total = int(lengths.sum())
+    seg_start = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
+    return torch.arange(total, dtype=torch.int64) + seg_start

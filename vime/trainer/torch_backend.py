@@ -1,0 +1,522 @@
+"""Plain-PyTorch policy trainer on Hugging Face models: GRPO/PPO steps, weight export, HF checkpoints.
+
+One `TorchTrainer` per trainer rank. Data parallelism is DDP over whatever default process group is
+initialised (gloo on CPU, NCCL on GPU), or FSDP2 (`fully_shard`, one unit per decoder layer) with
+`use_fsdp`. Master weights stay float32; on CUDA the forward runs in bfloat16 (autocast for DDP, a
+mixed-precision policy for FSDP2).
+
+A rollout step (`train_step`) follows slime:
+1. GRPO advantages on the whole batch (group statistics need every sample of a group);
+2. split into optimizer steps of `global_batch_size` samples, each split across ranks by token count;
+3. old-policy logprobs with no grad (or, when there is a single optimizer step, the detached logprobs of
+   the training forward itself: the policy has not moved yet so they are the same numbers) and
+   reference logprobs when a KL loss is used;
+4. per micro-batch: loss = pg_loss - entropy_coef * entropy + kl_loss_coef * kl, scaled so that the
+   gradient equals that of one big batch over all micro-batches and ranks; clip; AdamW step.
+
+Every rank runs the same number of forwards per phase (short ranks run a zero-weighted dummy forward),
+because DDP's gradient all-reduce and FSDP2's parameter all-gathers are collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from vime.logging import get_logger
+from vime.trainer import losses
+from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TorchTrainerConfig:
+    """Trainer settings; names follow slime's flags (`--eps-clip` -> `eps_clip`, ...)."""
+
+    hf_checkpoint: str
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0  # linear warmup over this many optimizer steps, then constant
+    weight_decay: float = 0.01  # not applied to biases and norm weights (1-D parameters)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # <= 0 disables clipping (the norm is still reported)
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # None: symmetric clip
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    advantage_estimator: str = "grpo"
+    disable_grpo_std_normalization: bool = False  # Dr.GRPO
+    calculate_per_token_loss: bool = False  # token mean instead of per-sample mean then sample mean
+    rollout_temperature: float = 1.0  # the engine sampled from softmax(logits / T); logprobs must match
+    micro_batch_size: int | None = None  # samples per micro-batch
+    max_tokens_per_micro_batch: int | None = None  # padded tokens (rows * longest row) per micro-batch
+    global_batch_size: int | None = None  # samples per optimizer step; None: the whole rollout batch
+    num_steps_per_rollout: int | None = None  # alternative to global_batch_size
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 1234
+    use_fsdp: bool = False
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.advantage_estimator != "grpo":
+            raise ValueError(f"advantage_estimator {self.advantage_estimator!r} not supported here (only grpo)")
+        if self.kl_loss_type not in losses.KL_LOSS_TYPES:
+            raise ValueError(f"kl_loss_type must be one of {losses.KL_LOSS_TYPES}, got {self.kl_loss_type!r}")
+        if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
+            raise ValueError("set global_batch_size or num_steps_per_rollout, not both")
+        for name in ("micro_batch_size", "max_tokens_per_micro_batch", "global_batch_size", "num_steps_per_rollout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.rollout_temperature <= 0:
+            raise ValueError("rollout_temperature must be positive")
+
+
+class _ResponseLogits(nn.Module):
+    """Runs the decoder and applies the LM head only at the positions that predict response tokens.
+
+    Skipping the head on prompt and padding positions saves the largest activation ([tokens, vocab]).
+    Being one module, it is what DDP/FSDP wrap, so their hooks see every parameter.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor) -> Tensor:
+        out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
+        return self.hf.get_output_embeddings()(hidden)
+
+
+class TorchTrainer:
+    """Policy (and optional frozen reference) on this rank, with its optimizer. See module docstring.
+
+    Construct after `torch.distributed.init_process_group` on every rank (or without it for one rank).
+    Raises ValueError for bad settings and whatever `from_pretrained` raises for a bad checkpoint.
+    """
+
+    def __init__(self, cfg: TorchTrainerConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = _resolve_device(cfg.device)
+        if cfg.dtype == "auto":
+            self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.compute_dtype = getattr(torch, cfg.dtype)
+        self.use_fsdp = cfg.use_fsdp and self.distributed
+        if cfg.use_fsdp and not self.distributed:
+            log.warning("fsdp_without_process_group", note="torch.distributed not initialised; training unsharded")
+        torch.manual_seed(cfg.seed)
+
+        self.checkpoint_dtype = AutoConfig.from_pretrained(cfg.hf_checkpoint).dtype or torch.float32
+        if isinstance(self.checkpoint_dtype, str):
+            self.checkpoint_dtype = getattr(torch, self.checkpoint_dtype)
+        load = dict(attn_implementation=cfg.attn_implementation)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=torch.float32, **load)
+        self.hf_model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model.to(self.device).train()
+        self.module = _ResponseLogits(self.hf_model)
+
+        self.ref_module: nn.Module | None = None
+        if cfg.use_kl_loss:
+            ref = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=self.compute_dtype, **load)
+            ref.config.use_cache = False
+            ref.to(self.device).eval().requires_grad_(False)
+            self.ref_module = _ResponseLogits(ref)
+
+        self.policy: nn.Module = self.module
+        if self.use_fsdp:
+            self._shard_fsdp()
+        elif self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # buffers (rotary tables) are deterministic: broadcasting them every forward is wasted work
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.policy = DDP(self.module, device_ids=device_ids, broadcast_buffers=False)
+
+        decay = [p for p in self.module.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.module.parameters() if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        )  # fmt: skip
+        warmup = cfg.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.optimizer_steps = 0
+        log.info(
+            "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
+            device=str(self.device), compute_dtype=str(self.compute_dtype), fsdp=self.use_fsdp,
+            params=sum(p.numel() for p in self.module.parameters()),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _shard_fsdp(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # explicit mesh: the default one picks CUDA whenever it exists, even for a CPU/gloo trainer
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if self.compute_dtype != torch.float32:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for wrapper, extra in ((self.module, kwargs), (self.ref_module, {"mesh": mesh})):
+            if wrapper is None:
+                continue
+            for layer in _decoder_layers(wrapper.hf):
+                fully_shard(layer, **extra)
+            fully_shard(wrapper, **extra)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # FSDP2 casts parameters itself through its mixed-precision policy
+        if self.compute_dtype == torch.float32 or self.use_fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    # ------------------------------------------------------------------------------- forwards
+
+    def _synced_micro_batches(self, shard: RolloutBatch) -> list[MicroBatch | None]:
+        """This rank's micro-batches, padded with None so every rank has the same count."""
+        mbs: list[MicroBatch | None] = list(
+            shard.micro_batches(max_tokens=self.cfg.max_tokens_per_micro_batch, size=self.cfg.micro_batch_size)
+        )
+        count = len(mbs)
+        if self.distributed:
+            t = torch.tensor([count], dtype=torch.int64, device=self._comm_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            count = int(t.item())
+        return mbs + [None] * (count - len(mbs))
+
+    def _dummy_logits(self, module: nn.Module) -> Tensor:
+        ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        positions = torch.arange(2, device=self.device)[None]
+        with self._autocast():
+            return module(ids, positions, torch.zeros(1, dtype=torch.int64, device=self.device))
+
+    def _logits(self, module: nn.Module, mb: MicroBatch) -> Tensor:
+        with self._autocast():
+            return module(mb.input_ids, mb.position_ids, mb.logit_index)
+
+    @torch.no_grad()
+    def _shard_logprobs(self, shard: RolloutBatch, module: nn.Module) -> Tensor:
+        """No-grad logprobs of every response token of `shard` (flat, shard order).
+
+        Pass the bare module, not the DDP wrapper: DDP only matters when gradients flow, and FSDP2's
+        hooks live on the module itself.
+        """
+        out = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
+        for mb in self._synced_micro_batches(shard):
+            if mb is None:
+                self._dummy_logits(module)
+                continue
+            mb = mb.to(self.device)
+            logits = self._logits(module, mb)
+            lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
+            out[mb.token_index.cpu()] = lp.cpu()
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
+        """Current policy's logprob of every response token, one float32 array per sample, every rank.
+
+        Collective: every rank must call it with the same batch. Work is split across ranks.
+        """
+        idx = batch.shard_indices(self.world_size)[self.rank]
+        shard = batch.select(idx)
+        flat = torch.zeros(batch.rollout_logprobs.numel(), dtype=torch.float32)
+        positions = _ranges(batch.resp_offsets[torch.tensor(idx, dtype=torch.int64)], shard.response_lengths)
+        flat[positions] = self._shard_logprobs(shard, self.module)
+        if self.distributed:
+            flat = self._all_reduce(flat)
+        return batch.split_responses(flat)
+
+    # ------------------------------------------------------------------------------- training
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One rollout step (possibly several optimizer steps).
+
+        Returns slime-named metrics, equal on all ranks, averaged over the optimizer steps. Collective:
+        every rank calls it with the same (broadcast) batch. Raises ValueError on an empty batch. An
+        optimizer step whose gradient norm is not finite is skipped (and logged).
+        """
+        cfg = self.cfg
+        if batch.num_samples == 0:
+            raise ValueError("train_step got an empty batch")
+        start = time.perf_counter()
+        advantages = losses.grpo_advantages(
+            batch.rewards, batch.group_ids, normalize_std=not cfg.disable_grpo_std_normalization
+        )
+        batch = batch.select(range(batch.num_samples))  # a copy: the caller's batch stays untouched
+        batch.advantages = losses.broadcast_to_tokens(advantages, batch.response_lengths)
+
+        if cfg.num_steps_per_rollout is not None:
+            step_size = math.ceil(batch.num_samples / cfg.num_steps_per_rollout)
+        else:
+            step_size = cfg.global_batch_size or batch.num_samples
+        shards = [chunk.shard(self.rank, self.world_size) for chunk in batch.chunks(step_size)]
+
+        # Old-policy logprobs must be taken before the first update. With one update they equal the
+        # training forward's own (detached) logprobs, so that forward fills them in instead.
+        recompute_old = len(shards) > 1
+        old = [self._shard_logprobs(s, self.module) if recompute_old else None for s in shards]
+        ref = [self._shard_logprobs(s, self.ref_module) if self.ref_module is not None else None for s in shards]
+
+        step_metrics = []
+        for k, shard in enumerate(shards):
+            if old[k] is None:
+                old[k] = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
+            step_metrics.append(self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old))
+
+        metrics = {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
+        metrics["train/train_rollout_logprob_abs_diff"] = self._abs_diff(shards, old)
+        if self.rank == 0:
+            log.info(
+                "train_step", optimizer_step=self.optimizer_steps, samples=batch.num_samples,
+                seconds=round(time.perf_counter() - start, 3),
+                **{k.split("/")[-1]: round(v, 6) for k, v in metrics.items()},
+            )  # fmt: skip
+        return metrics
+
+    def _optimizer_step(
+        self, shard: RolloutBatch, old_lp: Tensor, ref_lp: Tensor | None, fill_old: bool
+    ) -> dict[str, float]:
+        cfg = self.cfg
+        per_token = cfg.calculate_per_token_loss
+        denom = losses.loss_denominator(shard.loss_mask, shard.num_samples, per_token)
+        denom = float(self._all_reduce(torch.tensor([denom], dtype=torch.float64))[0]) if self.distributed else denom
+        # DDP and FSDP2 average gradients over ranks; multiplying by world_size turns that into a sum
+        scale = self.world_size / max(denom, 1.0)
+        names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss"]
+        if cfg.use_tis:
+            names += ["tis", "tis_clipfrac", "ois"]
+        sums = torch.zeros(len(names), dtype=torch.float64)
+
+        mbs = self._synced_micro_batches(shard)
+        for j, mb in enumerate(mbs):
+            with self._grad_sync(last=j == len(mbs) - 1):
+                if mb is None:
+                    (self._dummy_logits(self.policy).sum() * 0.0).backward()
+                    continue
+                mb = mb.to(self.device)
+                logits = self._logits(self.policy, mb)
+                lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
+                token_index = mb.token_index.cpu()
+                if fill_old:
+                    old_lp[token_index] = lp.detach().cpu()
+                old = old_lp[token_index].to(self.device)
+
+                def reduce(x: Tensor) -> Tensor:
+                    return losses.masked_sum(x, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
+
+                terms = losses.policy_loss(lp, old, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
+                pg = terms.pg_loss
+                extra: dict[str, Tensor] = {}
+                if cfg.use_tis:
+                    tis = losses.tis_weights(old, mb.rollout_logprobs, cfg.tis_clip, cfg.tis_clip_low)
+                    pg = pg * tis.weights
+                    ois = torch.exp(-terms.ppo_kl.detach())  # current / old policy ratio
+                    extra = {"tis": reduce(tis.ratio), "tis_clipfrac": reduce(tis.clipped), "ois": reduce(ois)}
+                pg_loss = reduce(pg)
+                with torch.set_grad_enabled(cfg.entropy_coef != 0.0):
+                    entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))
+                loss = pg_loss - cfg.entropy_coef * entropy
+                kl_loss = torch.zeros((), device=self.device)
+                if ref_lp is not None:
+                    kl_loss = reduce(losses.kl_penalty(lp, ref_lp[token_index].to(self.device), cfg.kl_loss_type))
+                    loss = loss + cfg.kl_loss_coef * kl_loss
+                (loss * scale).backward()
+                values = {
+                    "loss": loss, "pg_loss": pg_loss, "pg_clipfrac": reduce(terms.pg_clipfrac),
+                    "ppo_kl": reduce(terms.ppo_kl.detach()), "entropy_loss": entropy, "kl_loss": kl_loss, **extra,
+                }  # fmt: skip
+                sums += torch.stack([values[n].detach().double().cpu() for n in names])
+
+        grad_norm = self._clip_grads()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses, before the schedule moves
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        else:
+            log.warning("skipped_optimizer_step", reason="non-finite grad norm", grad_norm=grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        if self.distributed:
+            sums = self._all_reduce(sums)
+        out = {f"train/{n}": float(v) / max(denom, 1.0) for n, v in zip(names, sums.tolist())}
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = lr
+        return out
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced across ranks only on an optimizer step's last micro-batch."""
+        if self.use_fsdp:
+            self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if self.policy is not self.module and not last:
+            return self.policy.no_sync()  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _abs_diff(self, shards: list[RolloutBatch], old: list[Tensor]) -> float:
+        """Global mean over samples of each sample's masked mean |old_logp - rollout_logp|."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for shard, lp in zip(shards, old):
+            ids = shard.response_token_sample_ids()
+            means = losses.per_sample_mean((lp - shard.rollout_logprobs).abs(), shard.loss_mask, ids, shard.num_samples)
+            has_tokens = torch.zeros(shard.num_samples).index_add(0, ids, shard.loss_mask) > 0
+            total += torch.tensor([means[has_tokens].sum().item(), float(has_tokens.sum())], dtype=torch.float64)
+        if self.distributed:
+            total = self._all_reduce(total)
+        return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+    # -------------------------------------------------------------------------------- weights
+
+    def _full_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+        """(model parameter name, full CPU tensor) on rank 0; FSDP2 shards are gathered on every rank.
+
+        Tied parameters appear once (named_parameters de-duplicates), under the name registered first
+        (`model.embed_tokens.weight`), which is how HF checkpoints store them.
+        """
+        named = list(self.hf_model.named_parameters())
+        for module_name, module in self.hf_model.named_modules():
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer_name not in module._non_persistent_buffers_set:  # e.g. rotary tables are not saved
+                    named.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
+        for name, tensor in named:
+            tensor = tensor.detach()
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()  # collective
+            if self.rank != 0:
+                continue
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            yield name, tensor.to("cpu").contiguous()
+
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
+        """Yield (HF checkpoint name, contiguous CPU tensor) for every weight, on rank 0.
+
+        Names and shapes are those of the checkpoint files (e.g. Qwen3-MoE experts as
+        `model.layers.0.mlp.experts.3.gate_proj.weight`, undoing transformers' in-memory fusing), which
+        is what vLLM's `load_weights` expects. With tied embeddings `lm_head.weight` is not yielded;
+        vLLM skips it for tied models anyway. Other ranks must iterate too (FSDP2 gathers are collective)
+        and get nothing.
+        """
+        from transformers.core_model_loading import revert_weight_conversion
+
+        for name, tensor in self._full_tensors(dtype):
+            # one tensor at a time keeps peak memory at one parameter; the supported families' reverse
+            # conversions are all one-to-many (split fused experts), so this is exact
+            for ckpt_name, ckpt_tensor in revert_weight_conversion(self.hf_model, {name: tensor}).items():
+                yield ckpt_name, ckpt_tensor.contiguous()
+
+    def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write a transformers-loadable checkpoint (safetensors + config + tokenizer files) on rank 0.
+
+        `dtype=None` keeps the dtype of the checkpoint the trainer started from. Collective under FSDP2;
+        ends with a barrier when distributed so no rank reads a half-written directory.
+        """
+        dtype = dtype or self.checkpoint_dtype
+        state = dict(self._full_tensors(dtype))
+        if self.rank == 0:
+            path = os.fspath(path)
+            os.makedirs(path, exist_ok=True)
+            self.hf_model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            _set_config_dtype(path, dtype)
+            _copy_side_files(self.cfg.hf_checkpoint, path)
+            log.info("saved_hf_checkpoint", path=path, dtype=str(dtype), tensors=len(state))
+        if self.distributed:
+            dist.barrier(device_ids=[self.device.index] if dist.get_backend() == "nccl" else None)
+
+    # ---------------------------------------------------------------------------------- comms
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        t = t.to(self._comm_device())
+        dist.all_reduce(t)
+        return t.cpu()
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but CUDA is not available")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        torch.cuda.set_device(int(local_rank))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one (transformers names them in `_no_split_modules`)."""
+    names = set(getattr(hf_model, "_no_split_modules", None) or [])
+    layers = [m for m in hf_model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers of {type(hf_model).__name__} to shard with FSDP2")
+    return layers
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    # save_pretrained records the in-memory (float32 master) dtype; the files hold `dtype`
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config: dict[str, Any] = json.load(f)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _copy_side_files(src: str, dst: str) -> None:
+    """Copy tokenizer, chat template and other non-weight files of the source checkpoint."""
+    if not os.path.isdir(src):
+        log.warning("tokenizer_not_copied", source=src, reason="hf_checkpoint is not a local directory")
+        return
+    skip_suffixes = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+    for name in os.listdir(src):
+        full = os.path.join(src, name)
+        if not os.path.isfile(full) or name.endswith(skip_suffixes) or name == "config.json":
+            continue
+        if not os.path.exists(os.path.join(dst, name)):
+            shutil.copy2(full, os.path.join(dst, name))
