@@ -1,0 +1,245 @@
+"""`vime run CONFIG`: the one-machine launcher (the embedded default).
+
+Starts the broker, rollout workers, reward workers and trainer ranks as separate child processes, each
+with its own log file under RUN_DIR/logs, all reading the same resolved config (RUN_DIR/config.yaml).
+It shows a progress bar from RUN_DIR/metrics.jsonl, and stops every child cleanly (SIGTERM, then
+SIGKILL after a grace period) on Ctrl-C, when the trainer finishes, or as soon as any child fails,
+naming the one that failed and showing the end of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from vime.config import VimeConfig
+from vime.logging import get_logger
+
+log = get_logger(__name__)
+
+GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log_handle: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_handle = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=self.log_handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)  # the whole group: vLLM starts its own children
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
+    """The processes of a one-machine job, in start order."""
+    logs = cfg.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    common = ["--config", str(config_path)]
+    base = _base_env()
+    cpu_only = not _has_cuda()
+    children = [Child("broker", [py, "-m", "workers.broker", *common], base, logs / "broker.log")]
+    for i in range(cfg.num_reward_workers):
+        children.append(Child(f"reward-{i}", [py, "-m", "workers.main", "--role", "reward", "--worker-id", f"reward-{i}", *common], base, logs / f"reward-{i}.log"))
+    for i in range(cfg.num_rollout_workers):
+        env = dict(base)
+        if cpu_only:
+            # vLLM-CPU: a small KV cache and one core per engine leave the other core to the trainer.
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(i % max(1, os.cpu_count() or 1)))
+        children.append(Child(f"rollout-{i}", [py, "-m", "workers.main", "--role", "rollout", "--worker-id", f"rollout-{i}", *common], env, logs / f"rollout-{i}.log"))
+    master_port = str(free_port())
+    for rank in range(cfg.trainer_world_size):
+        env = dict(base)
+        env.update(RANK=str(rank), WORLD_SIZE=str(cfg.trainer_world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
+        if cpu_only:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        children.append(Child(f"trainer-{rank}", [py, "-m", "workers.main", "--role", "trainer", "--worker-id", f"trainer-{rank}", *common], env, logs / f"trainer-{rank}.log"))
+    return children
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+class ProgressView:
+    """A tqdm bar fed by the trainer's metrics.jsonl (step, reward, staleness, logprob diff)."""
+
+    def __init__(self, metrics_path: Path, total: int, enabled: bool) -> None:
+        self.metrics_path = metrics_path
+        self.offset = 0
+        self.records: list[dict[str, Any]] = []
+        self.bar = tqdm(total=total, desc="vime", unit="step", disable=not enabled, dynamic_ncols=True)
+
+    def refresh(self) -> None:
+        if not self.metrics_path.exists():
+            return
+        with self.metrics_path.open() as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            record = json.loads(line)
+            self.records.append(record)
+            self.bar.update(1)
+            self.bar.set_postfix(
+                reward=f"{record.get('rollout/raw_reward', 0):.3f}",
+                stale=f"{record.get('rollout/staleness_mean', 0):.2f}",
+                lp_diff=f"{record.get('train/train_rollout_logprob_abs_diff', 0):.4f}",
+                step_s=f"{record.get('perf/step_time', 0):.2f}",
+            )
+
+    def close(self) -> None:
+        self.refresh()
+        self.bar.close()
+
+
+def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None = None) -> int:
+    """Run the whole job on this machine; returns the exit code for `vime run`."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.make_demo_model:
+        from vime.demo.model_factory import make_demo_model
+
+        make_demo_model(cfg.hf_checkpoint, seed=0)
+    if not Path(cfg.hf_checkpoint).exists():
+        raise FileNotFoundError(f"--hf-checkpoint {cfg.hf_checkpoint} does not exist (pass --make-demo-model for the demo)")
+    config_path = cfg.run_dir / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    metrics_path = cfg.run_dir / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    (cfg.run_dir / "status.json").unlink(missing_ok=True)
+
+    children = plan_children(cfg, config_path)
+    view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress)
+    stop = {"signal": 0}
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        stop["signal"] = sig
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    exit_code = 0
+    try:
+        for child in children:
+            child.start()
+            log.info("child_started", name=child.name, pid=child.process.pid if child.process else None, log=str(child.log_path))
+        trainer0 = next(c for c in children if c.name == "trainer-0")
+        while True:
+            time.sleep(0.5)
+            view.refresh()
+            if stop["signal"]:
+                log.warning("interrupted", signal=stop["signal"])
+                exit_code = 130
+                break
+            failed = [c for c in children if c.poll() not in (None, 0)]
+            if failed:
+                child = failed[0]
+                tqdm.write(f"\nvime: {child.name} exited with code {child.poll()}; stopping the job. End of {child.log_path}:\n{child.tail()}\n")
+                log.error("child_failed", name=child.name, code=child.poll(), log=str(child.log_path))
+                exit_code = 1
+                break
+            if trainer0.poll() == 0:
+                exit_code = 0
+                _wait_for(children, GRACE_S)  # the broker tells the workers to shut down
+                break
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                log.error("job_timeout", seconds=timeout_s)
+                exit_code = 124
+                break
+    finally:
+        stop_children(children)
+        view.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _finish_report(cfg, view.records)
+    return exit_code
+
+
+def _wait_for(children: list[Child], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(0.2)
+
+
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM every live child (newest first), then SIGKILL whatever is left after the grace period."""
+    for child in reversed(children):
+        child.signal(signal.SIGTERM)
+    _wait_for(children, GRACE_S)
+    for child in children:
+        if child.poll() is None:
+            log.warning("child_killed", name=child.name)
+        child.signal(signal.SIGKILL)
+        if child.process is not None:
+            try:
+                child.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if child.log_handle is not None:
+            child.log_handle.close()
+
+
+def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> None:
+    if not records:
+        return
+    from vime.metrics import plot_metrics, summarize
+
+    png = plot_metrics(cfg.run_dir / "metrics.jsonl", cfg.run_dir / "reward_curve.png")
+    summary = summarize(records)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    tqdm.write(
+        f"vime: {summary['steps']} steps in {summary['wall_time_s']:.0f} s; reward first-5 {summary['reward_first5']:.3f} "
+        f"-> last-5 {summary['reward_last5']:.3f} (+{summary['reward_gain']:.3f}); metrics {cfg.run_dir / 'metrics.jsonl'}; plot {png}"
+    )

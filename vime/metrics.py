@@ -1,0 +1,64 @@
+"""Reading a run's metrics.jsonl: summaries for the terminal and a reward-curve plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All complete JSON lines of a metrics file (a partly written last line is ignored)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
+    """Reward at the start and end of a run and the average step-time breakdown."""
+    rewards = [r["rollout/raw_reward"] for r in records]
+    first = float(np.mean(rewards[:window]))
+    last = float(np.mean(rewards[-window:]))
+    keys = ["perf/step_time", "perf/wait_time", "perf/train_time", "perf/weight_sync_time", "train/train_rollout_logprob_abs_diff", "rollout/staleness_mean"]
+    means = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys if any(k in r for r in records)}
+    return {
+        "steps": len(records),
+        "wall_time_s": float(records[-1]["time"] - records[0]["time"] + records[0].get("perf/step_time", 0.0)),
+        "reward_first5": first,
+        "reward_last5": last,
+        "reward_gain": last - first,
+        "mean": means,
+    }
+
+
+def plot_metrics(metrics_path: Path, out_png: Path) -> Path:
+    """Reward, logprob mismatch and step time against step, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records]
+    panels = [
+        ("rollout/raw_reward", "reward"),
+        ("train/train_rollout_logprob_abs_diff", "|logp train - rollout|"),
+        ("perf/step_time", "step time (s)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    for ax, (key, label) in zip(axes, panels):
+        ax.plot(steps, [r.get(key, np.nan) for r in records], marker=".", linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"vime run: {metrics_path.parent.name}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,186 @@
+"""`vime-worker --role rollout`: one rollout engine (vLLM by default) serving prompt groups.
+
+Main loop: say Hello, grant the broker `rollout_concurrency` credits, then for each dispatched group
+wait until the engine holds the group's minimum weight version, generate n samples, send them back and
+grant one more credit. Weight announcements are coalesced: the engine jumps straight to the newest
+version (a worker that missed versions just fetches the latest), in flight, while other groups keep
+generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from vime.broker.client import BrokerClient, BrokerGone
+from vime.config import VimeConfig
+from vime.logging import bind_progress, get_logger
+from vime.protocol.messages import (
+    Ack,
+    Credit,
+    DispatchGroups,
+    Group,
+    GroupsGenerated,
+    Heartbeat,
+    HeartbeatAck,
+    Sample,
+    Shutdown,
+    WeightVersionAnnounce,
+)
+from vime.rollout import GeneratedSample, SamplingConfig, build_engine
+
+log = get_logger("vime.worker.rollout")
+
+
+def to_sample(index: int, generated: GeneratedSample) -> Sample:
+    status = {"length": "truncated", "abort": "aborted"}.get(generated.finish_reason, "completed")
+    return Sample(
+        index=index,
+        response_tokens=np.asarray(generated.response_tokens, dtype=np.int32),
+        rollout_logprobs=np.asarray(generated.rollout_logprobs, dtype=np.float32),
+        loss_mask=np.asarray(generated.loss_mask, dtype=np.uint8),
+        token_versions=np.asarray(generated.token_versions, dtype=np.int32),
+        finish_reason=generated.finish_reason,
+        response_text=generated.response_text,
+        status=status,  # type: ignore[arg-type]
+    )
+
+
+class RolloutWorker:
+    def __init__(self, cfg: VimeConfig, engine, client: BrokerClient) -> None:  # type: ignore[no-untyped-def]
+        self.cfg = cfg
+        self.engine = engine
+        self.client = client
+        self.target_version = 0
+        self.endpoint: str | None = None
+        self.version_changed = asyncio.Condition()
+        self.update_wanted = asyncio.Event()
+        self.in_flight = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0}
+        self._busy_since: float | None = None
+        self.sampling: SamplingConfig | None = None
+
+    async def run(self) -> int:
+        job = await self.client.hello(weight_version=self.engine.weight_version)
+        self.sampling = SamplingConfig(
+            temperature=float(job.sampling["temperature"]),
+            top_p=float(job.sampling["top_p"]),
+            max_tokens=int(job.sampling["max_tokens"]),
+        )
+        self._note_version(job.weight_version, job.weight_endpoint)
+        await self.client.send(Credit(n=self.cfg.rollout_concurrency))
+        updater = asyncio.create_task(self._update_loop())
+        heartbeat = asyncio.create_task(self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, self._heartbeat))
+        try:
+            while True:
+                if heartbeat.done():
+                    heartbeat.result()  # raises BrokerGone
+                if updater.done():
+                    updater.result()  # a weight update failed: surface it
+                msg = await self.client.recv(timeout_s=1.0)
+                if msg is None or isinstance(msg, Ack):
+                    continue
+                if isinstance(msg, DispatchGroups):
+                    for group in msg.groups:
+                        self._spawn(self._generate_group(group))
+                elif isinstance(msg, WeightVersionAnnounce):
+                    self._note_version(msg.version, msg.endpoint)
+                elif isinstance(msg, HeartbeatAck):
+                    self._note_version(msg.weight_version, msg.weight_endpoint)
+                elif isinstance(msg, Shutdown):
+                    log.info("shutdown_requested", reason=msg.reason)
+                    return 0
+                else:
+                    log.warning("unexpected_message", message=type(msg).__name__)
+        finally:
+            for task in [updater, heartbeat, *self.tasks]:
+                task.cancel()
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("group_task_failed", error=repr(task.exception()))
+
+    def _note_version(self, version: int, endpoint: str | None) -> None:
+        if endpoint and version > self.target_version:
+            self.target_version = version
+            self.endpoint = endpoint
+            self.update_wanted.set()
+
+    async def _update_loop(self) -> None:
+        while True:
+            await self.update_wanted.wait()
+            self.update_wanted.clear()
+            if self.engine.weight_version >= self.target_version or self.endpoint is None:
+                continue
+            started = time.perf_counter()
+            result = await self.engine.update_weights(self.target_version, self.endpoint)
+            seconds = time.perf_counter() - started
+            self.stats["update_s"] += seconds
+            self.stats["updates"] += 1
+            bind_progress(weight_version=self.engine.weight_version)
+            log.info(
+                "weights_loaded", version=result.version, requested=result.requested_version, seconds=round(seconds, 4),
+                nbytes=result.nbytes, fetch_s=round(result.fetch_s, 4), load_s=round(result.load_s, 4),
+                paused_s=round(result.paused_s, 4), in_flight=self.in_flight,
+            )
+            async with self.version_changed:
+                self.version_changed.notify_all()
+
+    async def _wait_for_version(self, version: int) -> None:
+        async with self.version_changed:
+            await self.version_changed.wait_for(lambda: self.engine.weight_version >= version)
+
+    def _busy(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self.in_flight > 0 and self._busy_since is not None:
+            self.stats["busy_s"] += now - self._busy_since
+        self.in_flight += delta
+        self._busy_since = now if self.in_flight > 0 else None
+
+    async def _generate_group(self, group: Group) -> None:
+        if self.engine.weight_version < group.min_weight_version:
+            self._note_version(group.min_weight_version, self.endpoint)
+            await self._wait_for_version(group.min_weight_version)
+        assert self.sampling is not None
+        self._busy(+1)
+        try:
+            generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=self.sampling)
+        finally:
+            self._busy(-1)
+        group.samples = [to_sample(i, g) for i, g in enumerate(generated)]
+        self.stats["tokens"] += sum(len(s.response_tokens) for s in group.samples)
+        self.stats["groups"] += 1
+        await self.client.send(GroupsGenerated(groups=[group]))
+        await self.client.send(Credit(n=1))
+
+    def _heartbeat(self) -> Heartbeat:
+        self._busy(0)  # fold the current busy interval into the total
+        return Heartbeat(weight_version=self.engine.weight_version, in_flight=self.in_flight, stats=dict(self.stats))
+
+
+async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
+    from vime.rollout import vllm_available
+
+    use_vllm = cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "auto" and vllm_available())
+    # --vllm-* flags are vLLM's engine arguments; the transformers fallback takes none of them.
+    engine_args = dict(cfg.vllm) if use_vllm else {}
+    engine = build_engine(kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args)
+    await engine.start()
+    client = BrokerClient(cfg.broker_address, "rollout", worker_id)
+    try:
+        return await RolloutWorker(cfg, engine, client).run()
+    except BrokerGone as exc:
+        log.error("broker_gone", error=str(exc))
+        return 1
+    finally:
+        await engine.shutdown()
+        client.close()
