@@ -1,0 +1,242 @@
+"""The transformers rollout engine: sampling contract, processed logprobs, in-flight versioned updates
+over the real weight channel (`WeightPublisher` -> `WeightFetcher`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vime.demo.model_factory import make_tiny_qwen3
+from vime.demo.tokenizer import EOS_ID
+from vime.rollout import SamplingConfig, WeightUpdateError, build_engine
+from vime.rollout.hf_engine import HfRolloutEngine, process_logits
+from vime.weights import WeightPublisher
+
+torch.set_num_threads(1)
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def peaked_weights(model_dir: Path, seed: int, scale: float = 2.5) -> list[tuple[str, torch.Tensor]]:
+    """A new random state dict for the model in `model_dir` with sharp next-token distributions.
+
+    Random tiny models are nearly uniform (logits ~0.2), which would make "matches the new weights"
+    and "differs from the old ones" hard to tell apart; scaling the tied embedding scales the logits.
+    """
+    from safetensors.torch import load_file
+
+    names = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, old in names.items():
+        if name.endswith("norm.weight"):
+            new = 1.0 + 0.1 * torch.randn(old.shape, generator=g)
+        else:
+            new = 0.05 * torch.randn(old.shape, generator=g)
+            if name == "model.embed_tokens.weight":
+                new = new * scale
+        out.append((name, new.to(old.dtype)))
+    return out
+
+
+def reference_logprobs(model_dir: Path, weights: list[tuple[str, torch.Tensor]] | None,
+                       prompt: list[int], response: list[int]) -> np.ndarray:
+    """fp32 transformers recompute of log p(response | prompt) with `weights` (None: the checkpoint's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict({n: t.float() for n, t in weights}, strict=False)
+        assert not unexpected and all("lm_head" in m for m in missing)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("hf_tiny") / "m", seed=0, max_position_embeddings=1024))
+
+
+@pytest.fixture
+def publisher() -> Iterator[WeightPublisher]:
+    pub = WeightPublisher(bind="tcp://127.0.0.1:*")
+    yield pub
+    pub.close()
+
+
+@pytest.fixture
+def engine(loop: asyncio.AbstractEventLoop, model_dir: Path, publisher: WeightPublisher) -> Iterator[HfRolloutEngine]:
+    eng = build_engine("hf", str(model_dir), engine_args={"dtype": "float32"}, weight_endpoint=publisher.endpoint)
+    assert isinstance(eng, HfRolloutEngine)
+    loop.run_until_complete(eng.start())
+    yield eng
+    loop.run_until_complete(eng.shutdown())
+
+
+def test_generate_shapes_dtypes_and_finish_reasons(loop, engine) -> None:
+    samples = loop.run_until_complete(engine.generate(PROMPT, n=4, sampling=SamplingConfig(max_tokens=12, seed=1)))
+    assert len(samples) == 4
+    for s in samples:
+        n = s.response_length
+        assert 1 <= n <= 12
+        assert s.response_tokens.dtype == np.int32 and s.rollout_logprobs.dtype == np.float32
+        assert s.loss_mask.dtype == np.uint8 and s.token_versions.dtype == np.int32
+        assert s.loss_mask.tolist() == [1] * n and s.token_versions.tolist() == [0] * n
+        assert np.all(s.rollout_logprobs <= 0) and np.all(np.isfinite(s.rollout_logprobs))
+        if s.finish_reason == "stop":
+            assert s.response_tokens[-1] == EOS_ID and EOS_ID not in s.response_tokens[:-1]
+        else:
+            assert s.finish_reason == "length" and n == 12
+        assert isinstance(s.response_text, str)
+
+    # Every token a stop token: each sample stops after one token, and keeps it.
+    stop_all = SamplingConfig(max_tokens=5, stop_token_ids=tuple(range(64)))
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=3, sampling=stop_all)):
+        assert s.finish_reason == "stop" and s.response_length == 1
+
+    long = SamplingConfig(max_tokens=20, ignore_eos=True)
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=long)):
+        assert s.finish_reason == "length" and s.response_length == 20
+
+
+def test_seeded_sampling_is_reproducible(loop, engine) -> None:
+    cfg = SamplingConfig(max_tokens=10, seed=123, ignore_eos=True)
+    a = loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=cfg))
+    b = loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=cfg))
+    assert [s.response_tokens.tolist() for s in a] == [s.response_tokens.tolist() for s in b]
+
+
+def test_processed_logprobs_follow_temperature_and_top_p(loop, engine, model_dir, publisher) -> None:
+    # Sharp weights so top-p actually removes tokens.
+    publisher.publish(1, peaked_weights(model_dir, seed=3))
+    loop.run_until_complete(engine.update_weights(1))
+    cfg = SamplingConfig(temperature=0.7, top_p=0.8, max_tokens=6, ignore_eos=True, seed=5)
+    (sample,) = loop.run_until_complete(engine.generate(PROMPT, n=1, sampling=cfg))
+    model = engine._model
+    ids = torch.tensor([PROMPT + sample.response_tokens.tolist()])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+    expected = process_logits(logits, 0.7, 0, 0.8)
+    got = expected.gather(-1, torch.tensor(sample.response_tokens, dtype=torch.long)[:, None]).squeeze(-1)
+    np.testing.assert_allclose(sample.rollout_logprobs, got.numpy(), atol=1e-4)
+    # Processed, not raw: the raw (T=1, full vocabulary) logprobs of the same tokens are different.
+    raw = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.response_tokens, dtype=torch.long)[:, None])
+    assert not np.allclose(sample.rollout_logprobs, raw.squeeze(-1).numpy(), atol=1e-3)
+
+
+def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publisher) -> None:
+    response = [10, 11, 12, 13, 14, 15, 16, 17]
+    before = loop.run_until_complete(engine.score(PROMPT, response))
+    np.testing.assert_allclose(before, reference_logprobs(model_dir, None, PROMPT, response), atol=1e-4)
+
+    new = peaked_weights(model_dir, seed=1)
+    publisher.publish(1, new)
+    result = loop.run_until_complete(engine.update_weights(1))
+    assert result.version == 1 and not result.skipped and result.nbytes > 0
+    assert engine.weight_version == 1
+
+    after = loop.run_until_complete(engine.score(PROMPT, response))
+    np.testing.assert_allclose(after, reference_logprobs(model_dir, new, PROMPT, response), atol=1e-4)
+    assert np.mean(np.abs(after - before)) > 0.5
+
+    # Rollout logprobs (T=1, no top-p: processed == raw) of freshly sampled tokens match too.
+    samples = loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=10, seed=2)))
+    for s in samples:
+        assert s.token_versions.tolist() == [1] * s.response_length
+        ref = reference_logprobs(model_dir, new, PROMPT, s.response_tokens.tolist())
+        np.testing.assert_allclose(s.rollout_logprobs, ref, atol=1e-4)
+
+
+def test_update_in_flight_keeps_requests_and_stamps_new_version(loop, engine, model_dir, publisher) -> None:
+    async def scenario():
+        cfg = SamplingConfig(max_tokens=600, ignore_eos=True)
+        task = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=cfg))
+        await asyncio.sleep(0.3)
+        assert not task.done(), "generation finished before the update; make it longer"
+        publisher.publish(1, peaked_weights(model_dir, seed=1))
+        result = await engine.update_weights(1)
+        return await task, result
+
+    samples, result = loop.run_until_complete(scenario())
+    assert result.version == 1
+    for s in samples:
+        assert s.finish_reason == "length" and s.response_length == 600
+        v = s.token_versions
+        assert v[0] == 0 and v[-1] == 1 and np.all(np.diff(v) >= 0)  # old tokens old, later tokens new
+
+
+def test_missed_versions_jump_to_latest(loop, engine, model_dir, publisher) -> None:
+    for v in (1, 2, 3):
+        publisher.publish(v, peaked_weights(model_dir, seed=v))
+    result = loop.run_until_complete(engine.update_weights(1))
+    assert result.version == 3 and engine.weight_version == 3
+    again = loop.run_until_complete(engine.update_weights(2))
+    assert again.skipped and engine.weight_version == 3
+
+
+def test_bad_weights_are_rejected_before_touching_the_model(loop, engine, model_dir, publisher) -> None:
+    response = [10, 11, 12]
+    before = loop.run_until_complete(engine.score(PROMPT, response))
+    publisher.publish(1, [("model.not_a_layer.weight", torch.zeros(3))])
+    with pytest.raises(WeightUpdateError, match="not a parameter"):
+        loop.run_until_complete(engine.update_weights(1))
+    assert engine.weight_version == 0
+    np.testing.assert_array_equal(loop.run_until_complete(engine.score(PROMPT, response)), before)
+
+
+def test_unreachable_publisher_fails_cleanly(loop, model_dir) -> None:
+    eng = HfRolloutEngine(str(model_dir), fetch_timeout_s=0.5)
+    loop.run_until_complete(eng.start())
+    try:
+        with pytest.raises(WeightUpdateError, match="keeps its weights"):
+            loop.run_until_complete(eng.update_weights(1, "tcp://127.0.0.1:9"))
+        assert eng.weight_version == 0
+        (s,) = loop.run_until_complete(eng.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3)))
+        assert s.response_length >= 1
+    finally:
+        loop.run_until_complete(eng.shutdown())
+
+
+def test_cancelled_generate_leaves_engine_usable(loop, engine) -> None:
+    async def scenario():
+        cfg = SamplingConfig(max_tokens=900, ignore_eos=True)
+        task = asyncio.create_task(engine.generate(PROMPT, n=1, sampling=cfg))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3, ignore_eos=True))
+
+    (s,) = loop.run_until_complete(scenario())
+    assert s.response_length == 3
+
+
+def test_interface_errors(loop, engine) -> None:
+    with pytest.raises(ValueError):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingConfig(max_tokens=0)
+    assert SamplingConfig(stop_token_ids=[1, 2]).stop_token_ids == (1, 2)
+    with pytest.raises(ValueError, match="unknown engine kind"):
+        build_engine("tgi", "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown hf engine args"):
+        build_engine("hf", "x", engine_args={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError):
+        loop.run_until_complete(engine.generate([], n=1, sampling=SamplingConfig()))
+    with pytest.raises(RuntimeError, match="not started"):
+        loop.run_until_complete(HfRolloutEngine("x").generate(PROMPT, n=1, sampling=SamplingConfig()))

