@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,34 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> Path:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return out_png
+
+
+class BusyTimer:
+    """Wall time during which at least one task was in flight (overlapping tasks count once)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.busy_s = 0.0
+        self._since: float | None = None
+
+    def _fold(self) -> None:
+        now = time.perf_counter()
+        if self._since is not None:
+            self.busy_s += now - self._since
+        self._since = now if self.in_flight > 0 else None
+
+    def begin(self) -> None:
+        self._fold()
+        self.in_flight += 1
+        self._since = self._since or time.perf_counter()
+
+    def end(self) -> None:
+        self._fold()
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._since = None
+
+    def total(self) -> float:
+        """Busy seconds so far, including the current busy stretch."""
+        self._fold()
+        return self.busy_s

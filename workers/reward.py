@@ -12,6 +12,7 @@ import asyncio
 from vime.broker.client import BrokerClient, BrokerGone
 from vime.config import VimeConfig
 from vime.logging import get_logger
+from vime.metrics import BusyTimer
 from vime.protocol.messages import Ack, Credit, Group, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, ScoreGroups, Shutdown
 from vime.rewards import RewardFn, RewardResult, build_reward_fn
 
@@ -43,13 +44,14 @@ class RewardWorker:
         self.client = client
         self.reward_fn = build_reward_fn(cfg.rm_type, cfg.custom_rm_path)
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stats = {"groups": 0.0, "samples_failed": 0.0}
+        self.stats = {"groups": 0.0, "samples_failed": 0.0, "busy_s": 0.0}
+        self.busy = BusyTimer()
 
     async def run(self) -> int:
         await self.client.hello()
         await self.client.send(Credit(n=self.cfg.reward_concurrency))
         heartbeat = asyncio.create_task(
-            self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(in_flight=len(self.tasks), stats=dict(self.stats)))
+            self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, self._heartbeat)
         )
         try:
             while True:
@@ -73,8 +75,16 @@ class RewardWorker:
             for task in self.tasks:
                 task.cancel()
 
+    def _heartbeat(self) -> Heartbeat:
+        self.stats["busy_s"] = self.busy.total()
+        return Heartbeat(in_flight=len(self.tasks), stats=dict(self.stats))
+
     async def _score(self, group: Group) -> None:
-        scores = await score_group(self.reward_fn, group)
+        self.busy.begin()
+        try:
+            scores = await score_group(self.reward_fn, group)
+        finally:
+            self.busy.end()
         failures = sum(scores.failed)
         if failures:
             log.warning("reward_failed", group=group.group_id, failed=failures, reason=next(r for r in scores.reasons if r))

@@ -17,6 +17,7 @@ import numpy as np
 from vime.broker.client import BrokerClient, BrokerGone
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
+from vime.metrics import BusyTimer
 from vime.protocol.messages import (
     Ack,
     Credit,
@@ -57,10 +58,9 @@ class RolloutWorker:
         self.endpoint: str | None = None
         self.version_changed = asyncio.Condition()
         self.update_wanted = asyncio.Event()
-        self.in_flight = 0
+        self.busy = BusyTimer()
         self.tasks: set[asyncio.Task[None]] = set()
         self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0}
-        self._busy_since: float | None = None
         self.sampling: SamplingConfig | None = None
 
     async def run(self) -> int:
@@ -130,7 +130,7 @@ class RolloutWorker:
             log.info(
                 "weights_loaded", version=result.version, requested=result.requested_version, seconds=round(seconds, 4),
                 nbytes=result.nbytes, fetch_s=round(result.fetch_s, 4), load_s=round(result.load_s, 4),
-                paused_s=round(result.paused_s, 4), in_flight=self.in_flight,
+                paused_s=round(result.paused_s, 4), in_flight=self.busy.in_flight,
             )
             async with self.version_changed:
                 self.version_changed.notify_all()
@@ -139,23 +139,16 @@ class RolloutWorker:
         async with self.version_changed:
             await self.version_changed.wait_for(lambda: self.engine.weight_version >= version)
 
-    def _busy(self, delta: int) -> None:
-        now = time.perf_counter()
-        if self.in_flight > 0 and self._busy_since is not None:
-            self.stats["busy_s"] += now - self._busy_since
-        self.in_flight += delta
-        self._busy_since = now if self.in_flight > 0 else None
-
     async def _generate_group(self, group: Group) -> None:
         if self.engine.weight_version < group.min_weight_version:
             self._note_version(group.min_weight_version, self.endpoint)
             await self._wait_for_version(group.min_weight_version)
         assert self.sampling is not None
-        self._busy(+1)
+        self.busy.begin()
         try:
             generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=self.sampling)
         finally:
-            self._busy(-1)
+            self.busy.end()
         group.samples = [to_sample(i, g) for i, g in enumerate(generated)]
         self.stats["tokens"] += sum(len(s.response_tokens) for s in group.samples)
         self.stats["groups"] += 1
@@ -163,8 +156,8 @@ class RolloutWorker:
         await self.client.send(Credit(n=1))
 
     def _heartbeat(self) -> Heartbeat:
-        self._busy(0)  # fold the current busy interval into the total
-        return Heartbeat(weight_version=self.engine.weight_version, in_flight=self.in_flight, stats=dict(self.stats))
+        self.stats["busy_s"] = self.busy.total()
+        return Heartbeat(weight_version=self.engine.weight_version, in_flight=self.busy.in_flight, stats=dict(self.stats))
 
 
 async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:

@@ -113,6 +113,9 @@ def rollout_metrics(groups: list[Group], stats: dict[str, float]) -> dict[str, f
         "rollout/staleness_mean": stats.get("staleness_mean", 0.0),
         "rollout/staleness_max": stats.get("staleness_max", 0.0),
         "rollout/num_samples": float(len(samples)),
+        "perf/rollout_busy_s_total": stats.get("rollout_busy_s", 0.0),
+        "perf/rollout_update_s_total": stats.get("rollout_update_s", 0.0),
+        "perf/reward_busy_s_total": stats.get("reward_busy_s", 0.0),
     }
 
 

