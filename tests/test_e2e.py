@@ -118,3 +118,28 @@ def test_a_failing_worker_stops_the_whole_job_and_is_named(tiny_model: Path, tmp
     assert "no_such_function" in result.stderr
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "child processes survived the launcher"
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = [
+        sys.executable, "-m", "vime.cli", "run", str(REPO / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
+        "--hf-checkpoint", str(tiny_model), "--no-make-demo-model", "--rollout-engine", "hf", "--num-rollout", "100000",
+        "--broker-address", f"tcp://127.0.0.1:{free_port()}", "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    assert metrics.exists(), "the job never trained a step"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "child processes survived Ctrl-C"

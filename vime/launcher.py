@@ -186,7 +186,10 @@ def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None =
             failed = [c for c in children if c.poll() not in (None, 0)]
             if failed:
                 child = failed[0]
-                tqdm.write(f"\nvime: {child.name} exited with code {child.poll()}; stopping the job. End of {child.log_path}:\n{child.tail()}\n")
+                tqdm.write(
+                    f"\nvime: {child.name} exited with code {child.poll()}; stopping the job. End of {child.log_path}:\n{child.tail()}\n",
+                    file=sys.stderr,
+                )
                 log.error("child_failed", name=child.name, code=child.poll(), log=str(child.log_path))
                 exit_code = 1
                 break
