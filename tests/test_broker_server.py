@@ -85,3 +85,27 @@ def test_query_status_helper_and_unreachable_broker() -> None:
     with pytest.raises(TimeoutError):
         query_status("tcp://127.0.0.1:1", timeout_s=0.5)
     assert time.monotonic() - started < 5
+
+
+def test_vime_status_json_against_a_live_broker(broker, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vime.cli import main
+
+    endpoint, _ = broker
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", "--json", "--broker-address", endpoint])
+    assert exit_info.value.code == 0
+    status = json.loads(capsys.readouterr().out)
+    assert set(status["counters"]) >= {"groups_dispatched", "groups_generated", "groups_scored", "groups_trained", "groups_dropped_stale"}
+    assert status["weight_version"] == 0 and status["step"] == 0
+
+
+def test_vime_status_reports_an_unreachable_broker(capsys: pytest.CaptureFixture[str]) -> None:
+    from vime.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", "--broker-address", "tcp://127.0.0.1:1", "--timeout", "0.5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "tcp://127.0.0.1:1" in err and ("did not answer" in err or "not reachable" in err)

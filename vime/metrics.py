@@ -46,15 +46,16 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    steps = [r["step"] for r in records]
     panels = [
         ("rollout/raw_reward", "reward"),
         ("train/train_rollout_logprob_abs_diff", "|logp train - rollout|"),
-        ("perf/step_time", "step time (s)"),
+        ("perf/step_time", "step time (s), after step 0"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
     for ax, (key, label) in zip(axes, panels):
-        ax.plot(steps, [r.get(key, np.nan) for r in records], marker=".", linewidth=1)
+        # Step 0's time includes engine start-up; it would flatten the rest of the step-time panel.
+        shown = records[1:] if key == "perf/step_time" and len(records) > 1 else records
+        ax.plot([r["step"] for r in shown], [r.get(key, np.nan) for r in shown], marker=".", linewidth=1)
         ax.set_xlabel("step")
         ax.set_title(label)
         ax.grid(alpha=0.3)
