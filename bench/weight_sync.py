@@ -2,15 +2,19 @@
 
 A child process plays the trainer (a `WeightPublisher` serving a bf16 model-like state dict); this
 process plays a rollout worker (a `WeightFetcher`). For each total size it measures `publish` (copy into
-the snapshot + checksums), `fetch` (manifest, chunks with a credit window, CRC check, copy into the
-receive buffer, done/ack), and then raw ZeroMQ over the same socket types (ROUTER server, DEALER
-client), the same chunk frames (zero-copy sends of the same buffer) and the same credit window, but
-with no msgpack header, no checksum and no copy on receipt: the ceiling the channel is measured against.
-It also times CRC-32 and a memcpy of the same bytes locally, which account for most of the gap.
+the snapshot + per-chunk checksums), `fetch` (manifest, chunks with a credit window, checksum check,
+copy into the receive buffer, done/ack), and then raw ZeroMQ over the same socket types (ROUTER server,
+DEALER client), the same chunk frames (zero-copy sends of the same buffer) and the same credit window,
+but with no msgpack header, no checksum and no copy on receipt: the ceiling the channel is measured
+against. It also times, locally over the same bytes, the channel's per-chunk checksum
+(`vime.protocol.weights.chunk_checksum`, the algorithm named by `CHECKSUM_ALGORITHM`, chunk by chunk as
+publish and fetch compute it) and a memcpy into already-faulted memory: the per-byte work the fetcher
+adds on top of raw ZeroMQ. `--reuse-buffer` runs the fetcher with `reuse_buffer=True` (each round drops
+the previous result, so from the second round on the receive buffer is recycled, not allocated).
 
     python bench/weight_sync.py                 # 100 MB and 4 MB (demo-model size), human readable
     python bench/weight_sync.py --json          # one JSON object on stdout
-    python bench/weight_sync.py --sizes-mb 100 --chunk-mb 1 --window 8 --repeats 5
+    python bench/weight_sync.py --sizes-mb 100 --chunk-mb 1 --window 8 --repeats 5 --reuse-buffer
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import struct
 import sys
 import threading
 import time
-import zlib
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -134,8 +137,13 @@ def raw_fetch(sock: zmq.Socket, total: int, chunk: int, window: int) -> float:
     return time.perf_counter() - start
 
 
-def local_rates(total: int) -> dict[str, float]:
-    """CRC-32 and memcpy speed here, over the same number of bytes (what the fetcher adds per byte)."""
+def local_rates(total: int, chunk: int) -> dict[str, float]:
+    """Checksum and memcpy speed here, over the same number of bytes (what the fetcher adds per byte).
+
+    The checksum is the channel's own (`chunk_checksum`), computed per `chunk` bytes as publish and fetch do.
+    """
+    from vime.protocol.weights import chunk_checksum
+
     src = np.frombuffer(np.random.default_rng(1).bytes(total), dtype=np.uint8)
     dst = np.empty_like(src)
     dst[:] = src  # fault the pages in first
@@ -143,12 +151,16 @@ def local_rates(total: int) -> dict[str, float]:
     dst[:] = src
     copy_s = time.perf_counter() - t
     t = time.perf_counter()
-    zlib.crc32(src)
-    crc_s = time.perf_counter() - t
-    return {"memcpy_gbps": total / copy_s / 1e9, "crc32_gbps": total / crc_s / 1e9}
+    for start in range(0, total, chunk):
+        chunk_checksum(src[start : start + chunk])
+    checksum_s = time.perf_counter() - t
+    return {"memcpy_gbps": total / copy_s / 1e9, "checksum_gbps": total / checksum_s / 1e9}
 
 
-def run(sizes_mb: list[float], chunk_mb: float, window: int, repeats: int) -> dict[str, Any]:
+def run(
+    sizes_mb: list[float], chunk_mb: float, window: int, repeats: int, reuse_buffer: bool = False
+) -> dict[str, Any]:
+    from vime.protocol.weights import CHECKSUM_ALGORITHM
     from vime.weights import WeightFetcher
 
     chunk_bytes = int(chunk_mb * (1 << 20))
@@ -159,7 +171,7 @@ def run(sizes_mb: list[float], chunk_mb: float, window: int, repeats: int) -> di
     results: list[dict[str, Any]] = []
     try:
         endpoint = parent.recv()
-        fetcher = WeightFetcher(endpoint, timeout_s=30.0, window=window)
+        fetcher = WeightFetcher(endpoint, timeout_s=30.0, window=window, reuse_buffer=reuse_buffer)
         version = 0
         for size_mb in sizes_mb:
             size = int(size_mb * MB)
@@ -207,7 +219,7 @@ def run(sizes_mb: list[float], chunk_mb: float, window: int, repeats: int) -> di
                     "raw_zmq_s_min": round(min(raws), 4),
                     "raw_zmq_gbps": round(nbytes / raw_s / 1e9, 3),
                     "channel_over_raw": round(raw_s / fetch_s, 3),
-                    **{k: round(v, 3) for k, v in local_rates(nbytes).items()},
+                    **{k: round(v, 3) for k, v in local_rates(nbytes, chunk_bytes).items()},
                 }
             )
         fetcher.close()
@@ -221,6 +233,8 @@ def run(sizes_mb: list[float], chunk_mb: float, window: int, repeats: int) -> di
         "chunk_bytes": chunk_bytes,
         "window": window,
         "repeats": repeats,
+        "reuse_buffer": reuse_buffer,
+        "checksum": CHECKSUM_ALGORITHM,
         "transport": "tcp loopback, publisher in a child process",
         "cpus": os.cpu_count(),
         "results": results,
@@ -233,19 +247,27 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=float, default=4.0, help="chunk size in MiB (publisher's chunk_bytes)")
     parser.add_argument("--window", type=int, default=4, help="chunk requests in flight (fetcher's window)")
     parser.add_argument("--repeats", type=int, default=5, help="publish+fetch rounds per size; medians reported")
+    parser.add_argument(
+        "--reuse-buffer", action="store_true", help="fetcher recycles its receive buffer (reuse_buffer=True)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
-    report = run([float(s) for s in args.sizes_mb.split(",")], args.chunk_mb, args.window, args.repeats)
+    report = run(
+        [float(s) for s in args.sizes_mb.split(",")], args.chunk_mb, args.window, args.repeats, args.reuse_buffer
+    )
     if args.json:
         print(json.dumps(report))
         return
-    print(f"chunk {report['chunk_bytes'] >> 10} KiB, window {report['window']}, {report['transport']}")
+    print(
+        f"chunk {report['chunk_bytes'] >> 10} KiB, window {report['window']}, {report['transport']}, "
+        f"checksum {report['checksum']}, reuse_buffer {report['reuse_buffer']}"
+    )
     for r in report["results"]:
         print(
             f"{r['bytes'] / MB:8.1f} MB  publish {r['publish_s']:.3f} s ({r['publish_gbps']:.2f} GB/s)  "
             f"fetch {r['fetch_s']:.3f} s ({r['fetch_gbps']:.2f} GB/s)  raw zmq {r['raw_zmq_s']:.3f} s "
             f"({r['raw_zmq_gbps']:.2f} GB/s)  channel/raw {r['channel_over_raw']:.2f}  "
-            f"[local crc32 {r['crc32_gbps']:.2f} GB/s, memcpy {r['memcpy_gbps']:.2f} GB/s]"
+            f"[local {report['checksum']} {r['checksum_gbps']:.2f} GB/s, memcpy {r['memcpy_gbps']:.2f} GB/s]"
         )
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from vime.protocol.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
 from vime.protocol.weights import (
+    CHECKSUM_ALGORITHM,
     ERROR_SUPERSEDED,
     FETCHER_ACCEPTS,
     MIN_CHUNK_BYTES,
@@ -26,6 +27,7 @@ from vime.protocol.weights import (
     WeightError,
     WeightFetch,
     WeightManifest,
+    chunk_checksum,
 )
 from vime.weights import WeightFetcher, WeightFetchError, WeightPublisher
 
@@ -242,6 +244,36 @@ def test_dropped_snapshot_buffer_is_reused_only_when_no_send_points_into_it() ->
         assert got.version == 4 and bool((got.tensors[0][1] == 4).all())
 
 
+def test_reuse_buffer_recycles_only_unreferenced_receive_memory(publisher: WeightPublisher) -> None:
+    def first_ptr(got: object) -> int:
+        return got.tensors[0][1].untyped_storage().data_ptr()  # type: ignore[attr-defined, no-any-return]
+
+    with fetcher_for(publisher, reuse_buffer=True) as f:
+        publisher.publish(1, model_state(1))
+        got1 = f.fetch()
+        view = got1.tensors[1][1][3:5]  # a view keeps the buffer referenced, like the tensors
+        ptr1 = first_ptr(got1)
+        del got1
+        publisher.publish(2, model_state(2))
+        got2 = f.fetch()  # the view of version 1 is alive: fresh memory, version 1 untouched
+        assert first_ptr(got2) != ptr1
+        assert torch.equal(view, model_state(1)[1][1][3:5])
+        assert_bit_identical(model_state(2), got2.tensors)
+        ptr2 = first_ptr(got2)
+        del got2, view
+        publisher.publish(3, model_state(3))
+        got3 = f.fetch()  # nothing references version 2's buffer any more: written in place
+        assert first_ptr(got3) == ptr2
+        assert_bit_identical(model_state(3), got3.tensors)
+        as_numpy = got3.tensors[0][1].view(torch.uint8).numpy()
+        del got3
+        publisher.publish(4, model_state(4))
+        got4 = f.fetch()  # a numpy alias counts as a reference too
+        assert first_ptr(got4) != ptr2
+        assert_bit_identical(model_state(4), got4.tensors)
+        assert torch.equal(torch.from_numpy(as_numpy), model_state(3)[0][1].view(torch.uint8))
+
+
 def test_corrupted_chunk_is_detected_and_refetched(publisher: WeightPublisher) -> None:
     state = model_state(4)
     publisher.publish(1, state)
@@ -313,7 +345,7 @@ def test_publish_rejects_bad_input_without_changing_state(publisher: WeightPubli
 
 
 def test_manifest_validation_rejects_inconsistent_layouts() -> None:
-    good = dict(fetch_id=1, version=1, total_bytes=128, chunk_bytes=CHUNK, chunk_crc32=[0])
+    good = dict(fetch_id=1, version=1, total_bytes=128, chunk_bytes=CHUNK, checksum="xxh3_64", chunk_checksums=[0])
     spec = dict(name="w", dtype="float32", shape=[4], offset=0, nbytes=16)
     decode(encode(WeightManifest(**good, tensors=[TensorSpec(**spec)])))
     cases = {
@@ -327,7 +359,69 @@ def test_manifest_validation_rejects_inconsistent_layouts() -> None:
         with pytest.raises(ProtocolError, match=expected):
             decode(encode(WeightManifest(**good, tensors=tensors)))
     with pytest.raises(ProtocolError, match="2 checksums for 1 chunks"):
-        decode(encode(WeightManifest(**{**good, "chunk_crc32": [0, 0]}, tensors=[])))
+        decode(encode(WeightManifest(**{**good, "chunk_checksums": [0, 0]}, tensors=[])))
+    with pytest.raises(ProtocolError, match="not a uint64"):
+        decode(encode(WeightManifest(**{**good, "chunk_checksums": [-1]}, tensors=[])))
+    decode(encode(WeightManifest(**{**good, "chunk_checksums": [(1 << 64) - 1]}, tensors=[])))  # full range
+
+
+def test_manifest_with_another_checksum_algorithm_is_refused() -> None:
+    fields = dict(fetch_id=1, version=1, total_bytes=128, chunk_bytes=CHUNK, tensors=[], chunk_checksums=[7])
+    with pytest.raises(ProtocolError, match=r"chunk checksums are 'crc32', this build verifies only 'xxh3_64'"):
+        decode(encode(WeightManifest(**fields, checksum="crc32")))
+    # A manifest from a build that predates the algorithm field (CRC-32 in `chunk_crc32`) is refused by
+    # name too, never read as if its numbers were XXH3 checksums.
+    old = {"type": "weight_manifest", "fetch_id": 1, "version": 1, "total_bytes": 128, "chunk_bytes": CHUNK,
+           "tensors": [], "chunk_crc32": [7]}
+    with pytest.raises(ProtocolError, match="missing required field `checksum`"):
+        decode([msgspec.msgpack.encode([PROTOCOL_VERSION, old])], expect=FETCHER_ACCEPTS)
+
+
+def test_fetcher_facing_an_older_publisher_fails_with_a_clear_error() -> None:
+    """A peer that sends a CRC-32 manifest: the fetch fails naming the missing algorithm field."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 3000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_once() -> None:
+        identity, header = router.recv_multipart()
+        request = decode([header])
+        old = {"type": "weight_manifest", "fetch_id": request.fetch_id, "version": 1,  # type: ignore[attr-defined]
+               "total_bytes": 128, "chunk_bytes": CHUNK, "tensors": [], "chunk_crc32": [7]}
+        router.send_multipart([identity, msgspec.msgpack.encode([PROTOCOL_VERSION, old])])
+
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
+    try:
+        with WeightFetcher(f"tcp://127.0.0.1:{port}", timeout_s=2.0) as f:
+            with pytest.raises(WeightFetchError, match=r"unreadable reply .*missing required field `checksum`"):
+                f.fetch()
+    finally:
+        server.join(timeout=5)
+        router.close()
+        ctx.term()
+
+
+def test_chunk_checksum_changes_for_every_single_bit_flip_tried() -> None:
+    assert CHECKSUM_ALGORITHM == "xxh3_64"
+    data = np.frombuffer(np.random.default_rng(0).bytes(CHUNK), dtype=np.uint8).copy()
+    base = chunk_checksum(data)
+    assert base == chunk_checksum(data.tobytes())  # array views and bytes hash alike (no copy needed)
+    assert 0 <= base < 1 << 64
+    # Start, end, and both sides of XXH3's 64-byte stripe and 1 KiB block boundaries, every bit.
+    positions = [0, 1, 63, 64, 1023, 1024, 1025, CHUNK // 2, CHUNK - 65, CHUNK - 64, CHUNK - 2, CHUNK - 1]
+    for pos in positions:
+        for bit in range(8):
+            data[pos] ^= 1 << bit
+            assert chunk_checksum(data) != base, (pos, bit)
+            data[pos] ^= 1 << bit
+    assert chunk_checksum(data) == base
+    assert chunk_checksum(data[:-1]) != base  # truncation
+    swapped = data.copy()
+    swapped[:8], swapped[8:16] = data[8:16], data[:8]  # two 8-byte words trade places
+    assert chunk_checksum(swapped) != base
 
 
 # --- malformed input: the publisher answers with an error and keeps serving ---------------------

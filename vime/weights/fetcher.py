@@ -5,11 +5,22 @@ with backoff, until one >= min_version exists), then pulls its chunks with a cre
 chunk requests are in flight at any time and each arriving chunk frees a credit for the next request
 (the ZeroMQ guide's file-transfer pattern), so the publisher's socket never queues more than `window`
 chunks for us and the link stays busy. Every chunk is copied into one receive buffer and checked
-against the manifest's CRC-32; a chunk that fails is requested again (up to `MAX_CHUNK_RETRIES` times).
-The tensors returned are views of that buffer, with their original names, dtypes and shapes.
+against the manifest's XXH3-64 checksum (`chunk_checksum`; a manifest naming another algorithm is
+refused); a chunk that fails is requested again (up to `MAX_CHUNK_RETRIES` times). The tensors
+returned are views of that buffer, with their original names, dtypes and shapes.
+
+Receive memory: by default every fetch allocates a fresh buffer, so the tensors of earlier fetches
+stay valid for as long as the caller keeps them. With `reuse_buffer=True` the fetcher keeps its last
+buffer and writes the next fetch of the same total size into it (no allocation, no page faults), but
+only when nothing outside the fetcher references that buffer any more, i.e. every tensor of the
+previous `FetchedWeights` (and every view, `.numpy()` or slice of them) has been dropped; while any is
+alive, a fresh buffer is allocated as usual. So Python-level references can never see their bytes
+change. The rule for callers: don't keep a raw address of a returned tensor (`data_ptr()`, ctypes,
+a pinned-memory alias registered elsewhere) past dropping the tensor itself. The cost: the fetcher
+holds one snapshot's worth of host memory between fetches until `close()`.
 
 It is built to run inside a vLLM worker process: it has its own ZeroMQ context, needs only pyzmq,
-msgspec, numpy and torch, and takes nothing but an endpoint string to construct.
+msgspec, numpy, xxhash and torch, and takes nothing but an endpoint string to construct.
 
 Waits and failures (all raise `WeightFetchError`, whose message names the endpoint and the cause):
 - no connection to the publisher within `timeout_s` (IMMEDIATE=1: requests are never queued for a peer
@@ -28,8 +39,8 @@ Not thread-safe: one fetch at a time per fetcher. Create it after any fork.
 from __future__ import annotations
 
 import secrets
+import sys
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +65,7 @@ from vime.protocol.weights import (
     WeightFetchAck,
     WeightFetchDone,
     WeightManifest,
+    chunk_checksum,
     chunk_span,
 )
 
@@ -79,7 +91,11 @@ class _Restart(Exception):
 
 @dataclass
 class FetchedWeights:
-    """One verified weight version. `tensors` are CPU views of a single buffer of `nbytes` bytes."""
+    """One verified weight version. `tensors` are CPU views of a single buffer of `nbytes` bytes.
+
+    With `WeightFetcher(reuse_buffer=True)` that buffer is recycled by a later fetch once none of these
+    tensors (nor any view of them) is referenced any more; see the module docstring.
+    """
 
     version: int
     tensors: list[tuple[str, torch.Tensor]]
@@ -88,9 +104,15 @@ class FetchedWeights:
 
 
 class WeightFetcher:
-    """Pulls versioned weights from the `WeightPublisher` at `endpoint`. Also a context manager."""
+    """Pulls versioned weights from the `WeightPublisher` at `endpoint`. Also a context manager.
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 60.0, window: int = 4) -> None:
+    `reuse_buffer=True` lets a fetch write into the previous fetch's receive buffer when that buffer
+    has the right size and is no longer referenced (module docstring: "Receive memory").
+    """
+
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 60.0, window: int = 4, reuse_buffer: bool = False
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not 1 <= window <= MAX_WINDOW:
@@ -98,6 +120,9 @@ class WeightFetcher:
         self._endpoint = endpoint
         self._timeout_s = float(timeout_s)
         self._window = window
+        self._reuse_buffer = bool(reuse_buffer)
+        self._kept: np.ndarray | None = None  # the last receive buffer, held only when reuse_buffer
+        self._kept_free_refs = 0  # refcount of `_kept` when nothing but the fetcher holds it
         # Test hook: called with the chunk index after each verified chunk (e.g. to publish mid-fetch).
         self._after_chunk: Callable[[int], None] | None = None
         self._ctx = zmq.Context()
@@ -153,6 +178,7 @@ class WeightFetcher:
         if self._closed:
             return
         self._closed = True
+        self._kept = None
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -191,13 +217,13 @@ class WeightFetcher:
 
     def _pull(self, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
         """Pull every chunk of `manifest` into one buffer with `window` requests in flight; verify each."""
-        total, size, crcs = manifest.total_bytes, manifest.chunk_bytes, manifest.chunk_crc32
-        buffer = np.empty(total, dtype=np.uint8)
-        todo: deque[int] = deque(range(len(crcs)))  # chunks not yet requested (or to re-request)
+        total, size, checksums = manifest.total_bytes, manifest.chunk_bytes, manifest.chunk_checksums
+        buffer = self._receive_buffer(total)
+        todo: deque[int] = deque(range(len(checksums)))  # chunks not yet requested (or to re-request)
         in_flight: set[int] = set()
         failures: dict[int, int] = {}
         done = 0
-        while done < len(crcs):
+        while done < len(checksums):
             while todo and len(in_flight) < self._window:
                 index = todo.popleft()
                 request = WeightChunkRequest(fetch_id=manifest.fetch_id, version=manifest.version, index=index)
@@ -219,7 +245,7 @@ class WeightFetcher:
             target = buffer[start:end]
             if reply.data.size == target.size:
                 target[:] = reply.data  # the one copy: frame -> final place
-                intact = zlib.crc32(target) == crcs[index]  # check the bytes we will return
+                intact = chunk_checksum(target) == checksums[index]  # check the bytes we will return
             else:
                 intact = False
             if not intact:
@@ -242,6 +268,26 @@ class WeightFetcher:
             if self._after_chunk is not None:
                 self._after_chunk(index)
         return _tensors_from(buffer, manifest)
+
+    def _receive_buffer(self, total: int) -> np.ndarray:
+        """A buffer of `total` bytes for the next fetch: the kept one if reuse is on and it is free."""
+        if self._kept is not None and self._kept.size == total and self._kept_refcount() <= self._kept_free_refs:
+            log.debug("weight receive buffer reused", nbytes=total)
+            return self._kept
+        self._kept = None  # a kept buffer still referenced lives on with its referents, then is freed
+        buffer = np.empty(total, dtype=np.uint8)
+        if not self._reuse_buffer:
+            return buffer
+        self._kept = buffer
+        del buffer
+        # The count with the fetcher as the only holder, measured through the same call the check uses,
+        # so it does not depend on how this interpreter counts temporaries. Anything above it later is a
+        # tensor, view or array of an earlier fetch that is still alive: that buffer is not overwritten.
+        self._kept_free_refs = self._kept_refcount()
+        return self._kept
+
+    def _kept_refcount(self) -> int:
+        return sys.getrefcount(self._kept)
 
     def _report_done(self, manifest: WeightManifest, seconds: float) -> None:
         """Tell the publisher we hold this version and wait briefly for its ack (logged if missing)."""

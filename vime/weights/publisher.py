@@ -1,10 +1,10 @@
 """The trainer's side of the weight channel: snapshot a state dict, serve it in chunks over ZeroMQ.
 
 `WeightPublisher.publish(version, tensors)` copies the tensors (any dtype, CPU or CUDA) into one
-contiguous host buffer, records a manifest (name, dtype, shape, byte range per tensor) and a CRC-32 per
-chunk, and makes it the latest version. A background thread with its own ZeroMQ context answers
-fetchers on a ROUTER socket; every chunk is sent as a zero-copy view of the snapshot, so serving N
-fetchers costs no extra memory.
+contiguous host buffer, records a manifest (name, dtype, shape, byte range per tensor) and an XXH3-64
+checksum per chunk (`chunk_checksum`), and makes it the latest version. A background thread with its
+own ZeroMQ context answers fetchers on a ROUTER socket; every chunk is sent as a zero-copy view of the
+snapshot, so serving N fetchers costs no extra memory.
 
 Versions and memory: the publisher keeps the newest `keep` snapshots (default 2). A fetch that started
 on version v finishes on v even if v+1 is published meanwhile; only when v falls out of the window
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ import zmq
 from vime.logging import get_logger
 from vime.protocol.codec import Message, ProtocolError, decode, encode
 from vime.protocol.weights import (
+    CHECKSUM_ALGORITHM,
     DEFAULT_CHUNK_BYTES,
     ERROR_BAD_REQUEST,
     ERROR_INTERNAL,
@@ -58,6 +58,7 @@ from vime.protocol.weights import (
     WeightFetchAck,
     WeightFetchDone,
     WeightManifest,
+    chunk_checksum,
     chunk_count,
     chunk_span,
 )
@@ -76,7 +77,10 @@ _PRUNE_TRACKERS = 256
 
 @dataclass(frozen=True)
 class PublishStats:
-    """What one `publish` did: bytes snapshotted (incl. alignment padding) and time taken."""
+    """What one `publish` did: bytes snapshotted (incl. alignment padding) and time taken.
+
+    `checksum_seconds` is the part spent computing the per-chunk `CHECKSUM_ALGORITHM` checksums.
+    """
 
     version: int
     nbytes: int
@@ -95,7 +99,7 @@ class _Snapshot:
     buffer: np.ndarray  # uint8, total_bytes long
     chunk_bytes: int
     tensors: list[TensorSpec]
-    chunk_crc32: list[int]
+    chunk_checksums: list[int]
     # Trackers of zero-copy chunk sends from `buffer` (appended by the server thread under the
     # publisher's lock). The buffer may be rewritten only when all are done.
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
@@ -112,7 +116,8 @@ class _Snapshot:
             total_bytes=int(self.buffer.size),
             chunk_bytes=self.chunk_bytes,
             tensors=self.tensors,
-            chunk_crc32=self.chunk_crc32,
+            checksum=CHECKSUM_ALGORITHM,
+            chunk_checksums=self.chunk_checksums,
         )
 
     def chunk(self, index: int) -> np.ndarray:
@@ -234,12 +239,14 @@ class WeightPublisher:
             host[cursor:].zero_()
             copy_seconds = time.perf_counter() - copy_start
 
-            crc_start = time.perf_counter()
+            checksum_start = time.perf_counter()
             n_chunks = chunk_count(total, self._chunk_bytes)
-            crcs = [zlib.crc32(buffer[slice(*chunk_span(i, total, self._chunk_bytes))]) for i in range(n_chunks)]
-            checksum_seconds = time.perf_counter() - crc_start
+            checksums = [
+                chunk_checksum(buffer[slice(*chunk_span(i, total, self._chunk_bytes))]) for i in range(n_chunks)
+            ]
+            checksum_seconds = time.perf_counter() - checksum_start
 
-            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, crcs)
+            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, checksums)
             with self._lock:
                 self._snapshots[version] = snapshot
                 self._latest = version
@@ -392,7 +399,7 @@ class WeightPublisher:
                 latest_version=latest,
             )
             return error, None
-        n_chunks = len(snapshot.chunk_crc32)
+        n_chunks = len(snapshot.chunk_checksums)
         if request.index >= n_chunks:
             error = WeightError(
                 code=ERROR_BAD_REQUEST,
