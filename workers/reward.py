@@ -101,5 +101,8 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     except BrokerGone as exc:
         log.error("broker_gone", error=str(exc))
         return 1
+    except BaseException as exc:
+        await client.bye(f"worker failed: {exc!r}")
+        raise
     finally:
         client.close()

@@ -62,6 +62,7 @@ class RolloutWorker:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0}
         self.sampling: SamplingConfig | None = None
+        self.fatal: BaseException | None = None
 
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.engine.weight_version)
@@ -80,6 +81,10 @@ class RolloutWorker:
                     heartbeat.result()  # raises BrokerGone
                 if updater.done():
                     updater.result()  # a weight update failed: surface it
+                if self.fatal is not None:
+                    # The engine failed mid-generation: exit so the group's lease is re-dispatched
+                    # (by the launcher's teardown or the broker's timeout) instead of hanging forever.
+                    raise self.fatal
                 msg = await self.client.recv(timeout_s=1.0)
                 if msg is None or isinstance(msg, Ack):
                     continue
@@ -108,6 +113,7 @@ class RolloutWorker:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("group_task_failed", error=repr(task.exception()))
+            self.fatal = self.fatal or task.exception()
 
     def _note_version(self, version: int, endpoint: str | None) -> None:
         if endpoint and version > self.target_version:
@@ -174,6 +180,9 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     except BrokerGone as exc:
         log.error("broker_gone", error=str(exc))
         return 1
+    except BaseException as exc:
+        await client.bye(f"worker failed: {exc!r}")
+        raise
     finally:
         await engine.shutdown()
         client.close()

@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from vime.logging import get_logger
 from vime.protocol.codec import ProtocolError, decode, encode
-from vime.protocol.messages import ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
+from vime.protocol.messages import Bye, ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
 from vime.transport import make_dealer
 
 log = get_logger(__name__)
@@ -92,6 +92,13 @@ class BrokerClient:
             await asyncio.sleep(interval_s)
             if time.monotonic() - self.last_heard > self.broker_timeout_s:
                 raise BrokerGone(f"no message from broker at {self.address} for {self.broker_timeout_s:.0f} s")
+
+    async def bye(self, reason: str, timeout_s: float = 1.0) -> None:
+        """Tell the broker we are leaving so it re-dispatches our leases now, not after a timeout."""
+        try:
+            await asyncio.wait_for(self.send(Bye(reason=reason)), timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            log.warning("bye_not_sent", reason=reason)
 
     def close(self) -> None:
         self.socket.close(linger=500)
