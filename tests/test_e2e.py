@@ -94,7 +94,9 @@ def test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks(tiny_model: Pat
 
     loaded = logged_events(run_dir / "logs" / "rollout-0.log", "weights_loaded")
     assert loaded, "the rollout engine never loaded a published version"
-    assert max(e["version"] for e in loaded) >= steps - 1
+    # The last step's groups are admitted once version steps-1-max_staleness is out, and must be
+    # generated with at least that version; later versions may arrive after generation has ended.
+    assert max(e["version"] for e in loaded) >= steps - 1 - 1
 
     for step in (2, 4):
         ckpt = run_dir / "checkpoints" / f"step_{step}"

@@ -283,3 +283,34 @@ def test_engine_args_are_normalized_and_guarded() -> None:
         normalize_engine_args({"logprobs-mode": "raw_logprobs"})
     with pytest.raises(ValueError, match="model_path"):
         normalize_engine_args({"model": "x"})
+
+
+def test_engine_matches_the_trainers_recompute_after_a_training_step(loop, engine, model_dir, publisher) -> None:
+    """The issue's contract, literally: train, publish, load in flight, compare with the trainer."""
+    from vime.trainer.batch import RolloutBatch, SampleRecord
+    from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
+
+    trainer = TorchTrainer(TorchTrainerConfig(hf_checkpoint=str(model_dir), lr=3e-2, device="cpu", seed=0))
+    response = [10, 11, 12, 13, 14, 15, 16, 17]
+
+    def batch(rewards: list[float]) -> RolloutBatch:
+        records = [
+            SampleRecord(group_index=0, prompt_tokens=np.array(PROMPT), response_tokens=np.array(r), rollout_logprobs=np.zeros(len(r)), loss_mask=np.ones(len(r)), reward=w)
+            for r, w in zip([response, [30, 31, 32, 33, 34, 35, 36, 37]], rewards)
+        ]
+        return RolloutBatch.from_samples(records)
+
+    def publish_and_load() -> np.ndarray:
+        version = next(_versions)
+        publisher.publish(version, list(trainer.export_weights(dtype=torch.bfloat16)))
+        assert loop.run_until_complete(engine.update_weights(version)).version == version
+        return loop.run_until_complete(engine.score(PROMPT, response))
+
+    before_trainer = trainer.compute_logprobs(batch([0.0, 0.0]))[0]
+    assert_bf16_close(publish_and_load(), before_trainer)
+    trainer.train_step(batch([1.0, 0.0]))  # raise the first response, lower the second
+    after_trainer = trainer.compute_logprobs(batch([0.0, 0.0]))[0]
+    after_engine = publish_and_load()
+    assert_bf16_close(after_engine, after_trainer)
+    assert after_trainer.sum() - before_trainer.sum() > 0.2, "the training step should move this sequence's logprob"
+    assert np.abs(after_engine - before_trainer).mean() > 5 * np.abs(after_engine - after_trainer).mean()
