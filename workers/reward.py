@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from vime.broker.client import BrokerClient, BrokerGone
+from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
 from vime.logging import get_logger
 from vime.metrics import BusyTimer
@@ -96,13 +96,4 @@ class RewardWorker:
 
 async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     client = BrokerClient(cfg.broker_address, "reward", worker_id)
-    try:
-        return await RewardWorker(cfg, client).run()
-    except BrokerGone as exc:
-        log.error("broker_gone", error=str(exc))
-        return 1
-    except BaseException as exc:
-        await client.bye(f"worker failed: {exc!r}")
-        raise
-    finally:
-        client.close()
+    return await client.run_session(RewardWorker(cfg, client).run())

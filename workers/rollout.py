@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from vime.broker.client import BrokerClient, BrokerGone
+from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.metrics import BusyTimer
@@ -176,13 +176,6 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     await engine.start()
     client = BrokerClient(cfg.broker_address, "rollout", worker_id)
     try:
-        return await RolloutWorker(cfg, engine, client).run()
-    except BrokerGone as exc:
-        log.error("broker_gone", error=str(exc))
-        return 1
-    except BaseException as exc:
-        await client.bye(f"worker failed: {exc!r}")
-        raise
+        return await client.run_session(RolloutWorker(cfg, engine, client).run())
     finally:
         await engine.shutdown()
-        client.close()

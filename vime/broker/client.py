@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -99,6 +99,23 @@ class BrokerClient:
             await asyncio.wait_for(self.send(Bye(reason=reason)), timeout_s)
         except (asyncio.TimeoutError, zmq.ZMQError):
             log.warning("bye_not_sent", reason=reason)
+
+    async def run_session(self, session: Awaitable[int]) -> int:
+        """Run a worker's main loop and close the connection after it.
+
+        Returns its exit code; a silent broker (`BrokerGone`) is exit code 1. Any other failure says
+        Bye first, so the broker re-dispatches this worker's leases at once, then propagates.
+        """
+        try:
+            return await session
+        except BrokerGone as exc:
+            log.error("broker_gone", error=str(exc))
+            return 1
+        except BaseException as exc:
+            await self.bye(f"worker failed: {exc!r}")
+            raise
+        finally:
+            self.close()
 
     def close(self) -> None:
         self.socket.close(linger=500)
