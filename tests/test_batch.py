@@ -15,9 +15,13 @@ from hypothesis import strategies as st
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
 
 
-def make_sample(prompt_len: int, resp_len: int, group: int = 0, seed: int = 0, reward: float = 0.0) -> SampleRecord:
+def make_sample(
+    prompt_len: int, resp_len: int, group: int = 0, seed: int = 0, reward: float = 0.0, routes: bool = False
+) -> SampleRecord:
     rng = np.random.default_rng(seed)
+    trace = rng.integers(0, 8, (prompt_len + resp_len - 1, 3, 2)).astype(np.uint8) if routes else None
     return SampleRecord(
+        routed_experts=trace,
         group_index=group,
         prompt_tokens=rng.integers(1, 50, prompt_len),
         response_tokens=rng.integers(1, 50, resp_len),
@@ -28,8 +32,10 @@ def make_sample(prompt_len: int, resp_len: int, group: int = 0, seed: int = 0, r
     )
 
 
-def make_batch(lengths: list[tuple[int, int]]) -> tuple[RolloutBatch, list[SampleRecord]]:
-    samples = [make_sample(p, r, group=i // 2, seed=i, reward=float(i)) for i, (p, r) in enumerate(lengths)]
+def make_batch(lengths: list[tuple[int, int]], routes: bool = False) -> tuple[RolloutBatch, list[SampleRecord]]:
+    samples = [
+        make_sample(p, r, group=i // 2, seed=i, reward=float(i), routes=routes) for i, (p, r) in enumerate(lengths)
+    ]
     return RolloutBatch.from_samples(samples), samples
 
 
@@ -121,6 +127,33 @@ def test_shards_and_micro_batches_partition_samples(lengths, world, size, max_to
         assert mb.targets.numel() == int(batch.response_lengths[mb.sample_index].sum())
 
 
+def test_routing_traces_survive_select_shard_and_micro_batches():
+    from vime.r3.hf_router import NO_ROUTE
+
+    batch, samples = make_batch([(3, 4), (5, 0), (1, 6), (2, 2)], routes=True)
+    assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts.shape == (6 + 4 + 6 + 3, 3, 2)
+    sub = batch.select([3, 1, 2]).shard(0, 1).chunks(2)[0].select([1, 0])
+    assert sub.sample_ids.tolist() == [1, 3]
+    for j, i in enumerate(sub.sample_ids.tolist()):
+        assert np.array_equal(sub.sample_trace(j).numpy(), samples[i].routed_experts)
+    for mb in batch.micro_batches(size=2):
+        assert mb.replay_ids.shape == (*mb.input_ids.shape, 3, 2) and mb.replay_ids.dtype == torch.int32
+        for row, i in enumerate(mb.sample_index.tolist()):
+            n = samples[i].routed_experts.shape[0]
+            assert np.array_equal(mb.replay_ids[row, :n].numpy(), samples[i].routed_experts)
+            assert (mb.replay_ids[row, n:] == NO_ROUTE).all()  # last token and padding
+    plain = make_batch([(3, 4)])[0]
+    assert plain.routed_experts is None and plain.micro_batches()[0].replay_ids is None
+
+
+def test_routing_traces_all_or_none():
+    with pytest.raises(ValueError, match="1 of 2 samples have no routed_experts"):
+        RolloutBatch.from_samples([make_sample(2, 3, routes=True), make_sample(2, 3)])
+    with pytest.raises(ValueError, match="prompt \\+ response - 1"):
+        SampleRecord(group_index=0, prompt_tokens=[1, 2], response_tokens=[3], rollout_logprobs=[0.0],
+                     loss_mask=[1], reward=0.0, routed_experts=np.zeros((3, 1, 1), np.uint8))  # fmt: skip
+
+
 def test_broadcast_is_identity_without_process_group():
     batch, _ = make_batch([(2, 2)])
     assert batch.broadcast(src=0) is batch
@@ -143,9 +176,11 @@ def test_broadcast_round_trip_two_process_gloo(tmp_path):
         procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env))
     for p in procs:
         assert p.wait(timeout=120) == 0
-    expected, _ = make_batch(BROADCAST_LENGTHS)
+    expected, _ = make_batch(BROADCAST_LENGTHS, routes=True)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["routed_experts"] == expected.routed_experts.tolist() and got["routes_dtype"] == "torch.int16"
+        assert got["plain_routes"] is None
         for name in ("tokens", "seq_offsets", "resp_offsets", "loss_mask", "token_versions", "group_ids", "sample_ids"):
             assert got[name] == getattr(expected, name).tolist(), name
         assert got["rollout_logprobs"] == pytest.approx(expected.rollout_logprobs.tolist())
@@ -160,12 +195,14 @@ def _broadcast_worker(out_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    batch = make_batch(BROADCAST_LENGTHS)[0] if dist.get_rank() == 0 else None
+    batch = make_batch(BROADCAST_LENGTHS, routes=True)[0] if dist.get_rank() == 0 else None
     got = RolloutBatch.broadcast(batch, src=0)
+    plain = RolloutBatch.broadcast(make_batch(BROADCAST_LENGTHS)[0] if dist.get_rank() == 0 else None, src=0)
     fields = ("tokens", "seq_offsets", "resp_offsets", "rollout_logprobs", "loss_mask", "token_versions",
-              "group_ids", "sample_ids", "rewards")  # fmt: skip
+              "group_ids", "sample_ids", "rewards", "routed_experts")  # fmt: skip
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({name: getattr(got, name).tolist() for name in fields}, f)
+        out = {name: getattr(got, name).tolist() for name in fields}
+        json.dump({**out, "routes_dtype": str(got.routed_experts.dtype), "plain_routes": plain.routed_experts}, f)
     dist.destroy_process_group()
 
 

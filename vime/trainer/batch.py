@@ -5,6 +5,13 @@ with offsets, and every per-response-token quantity (rollout logprobs, loss mask
 in flat tensors in the same sample order. That layout is compact, broadcasts as a handful of tensors
 (no pickle), and slices cheaply into data-parallel shards and micro-batches.
 
+R3 routing traces (optional, all samples or none): sample i's trace `[P+R-1, moe_layers, top_k]` (the
+rollout's expert ids per token and MoE layer; the last token has no row, see `vime.r3.trace`) is packed
+flat in `RolloutBatch.routed_experts` [sum(P+R-1), moe_layers, top_k] (int16, or int32 for ids >= 32768),
+sample i's rows starting at `route_offsets[i] = seq_offsets[i] - i`. Micro-batches carry them as
+`replay_ids` [B, T, moe_layers, top_k] aligned with `input_ids`, `NO_ROUTE` where there is no row (the
+last token, padding): ready for `vime.r3.hf_router.RoutingReplay.set_expert_ids`.
+
 Alignment convention: a causal LM's logits at position t predict token t+1. For a sample with prompt
 length P and response length R, response token j (0-based) is token P+j of the sequence, so its
 logprob is read from the logits at position P+j-1. `MicroBatch.logit_index` holds exactly those
@@ -22,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from vime.r3.hf_router import replay_ids_for_batch
 
 PAD_TOKEN_ID = 0  # never attended to by real tokens (right padding + causal mask), any id works
 
@@ -43,6 +52,8 @@ class SampleRecord:
     loss_mask: np.ndarray
     reward: float
     token_versions: np.ndarray | None = None
+    # R3: the rollout's routing trace for prompt + response, [P + R - 1, moe_layers, top_k] integer ids
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32).reshape(-1)
@@ -66,6 +77,17 @@ class SampleRecord:
         self.rollout_logprobs[bad] = 0.0
         if not np.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
+        if self.routed_experts is not None:
+            trace = np.asarray(self.routed_experts)
+            rows = self.prompt_tokens.size + n - 1
+            if trace.ndim != 3 or trace.shape[0] != rows:
+                raise ValueError(f"routed_experts has shape {trace.shape}, expected [prompt + response - 1 = {rows}, "
+                                 "moe_layers, top_k]")
+            if trace.size and not np.issubdtype(trace.dtype, np.integer):
+                raise ValueError(f"routed_experts must hold integer expert ids, got dtype {trace.dtype}")
+            if trace.size and int(trace.min()) < 0:
+                raise ValueError(f"routed_experts has a negative expert id {int(trace.min())}")
+            self.routed_experts = np.ascontiguousarray(trace)
 
 
 @dataclass
@@ -88,13 +110,14 @@ class MicroBatch:
     loss_mask: Tensor
     rollout_logprobs: Tensor
     advantages: Tensor
+    replay_ids: Tensor | None = None  # int32 [B, T, moe_layers, top_k], NO_ROUTE where no trace row
 
     @property
     def num_samples(self) -> int:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return MicroBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
 
 # Order of tensors on the wire for `broadcast`; header carries their lengths.
@@ -132,10 +155,17 @@ class RolloutBatch:
     rewards: Tensor  # float32 [S]
     group_ids: Tensor  # int64 [S]
     sample_ids: Tensor = field(default=None)  # type: ignore[assignment]  # int64 [S]
+    routed_experts: Tensor | None = None  # int16/int32 [sum(P+R-1), moe_layers, top_k], or None
 
     def __post_init__(self) -> None:
         if self.sample_ids is None:
             self.sample_ids = torch.arange(self.num_samples, dtype=torch.int64)
+        if self.routed_experts is not None:
+            t = self.routed_experts
+            rows = self.num_tokens - self.num_samples
+            if t.ndim != 3 or t.shape[0] != rows or t.dtype not in (torch.int16, torch.int32):
+                raise ValueError(f"routed_experts must be int16/int32 [{rows}, moe_layers, top_k] "
+                                 f"(one row per token but each sample's last), got {t.dtype} {tuple(t.shape)}")
 
     # ------------------------------------------------------------------------------ construction
 
@@ -147,6 +177,7 @@ class RolloutBatch:
         seqs = [np.concatenate([s.prompt_tokens, s.response_tokens]) for s in samples]
         resp_lens = [s.response_tokens.size for s in samples]
         return cls(
+            routed_experts=_pack_traces(samples),
             tokens=torch.from_numpy(np.concatenate(seqs)),
             seq_offsets=_offsets([x.size for x in seqs]),
             prompt_lengths=torch.tensor([s.prompt_tokens.size for s in samples], dtype=torch.int64),
@@ -177,6 +208,22 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    @property
+    def route_offsets(self) -> Tensor:
+        """[S+1] row offsets of each sample's trace in `routed_experts` (a sample has seq_len - 1 rows)."""
+        return self.seq_offsets - torch.arange(self.num_samples + 1, dtype=torch.int64)
+
+    @property
+    def has_routes(self) -> bool:
+        return self.routed_experts is not None
+
+    def sample_trace(self, i: int) -> Tensor:
+        """Sample i's routing trace [seq_len - 1, moe_layers, top_k]; ValueError if the batch has none."""
+        if self.routed_experts is None:
+            raise ValueError("this batch carries no routing traces")
+        a = int(self.seq_offsets[i]) - i
+        return self.routed_experts[a : a + int(self.sequence_lengths[i]) - 1]
+
     def response_token_sample_ids(self) -> Tensor:
         """[sum(R)] which sample each flat response token belongs to."""
         return torch.repeat_interleave(torch.arange(self.num_samples), self.response_lengths)
@@ -206,6 +253,10 @@ class RolloutBatch:
             rewards=self.rewards[idx],
             group_ids=self.group_ids[idx],
             sample_ids=self.sample_ids[idx],
+            routed_experts=(
+                None if self.routed_experts is None
+                else self.routed_experts[_ranges(self.route_offsets[idx], seq_lens - 1)]
+            ),
         )
 
     def chunks(self, size: int) -> list["RolloutBatch"]:
@@ -282,6 +333,10 @@ class RolloutBatch:
             token_sample.append(torch.full((r1 - r0,), b, dtype=torch.int64))
             token_index.append(torch.arange(r0, r1))
         token_index_t = torch.cat(token_index)
+        replay_ids = None
+        if self.routed_experts is not None:
+            traces = [self.sample_trace(i).numpy() for i in rows]
+            replay_ids = replay_ids_for_batch(traces, lengths[rows].tolist(), width)
         return MicroBatch(
             input_ids=input_ids,
             position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
@@ -293,6 +348,7 @@ class RolloutBatch:
             loss_mask=self.loss_mask[token_index_t],
             rollout_logprobs=self.rollout_logprobs[token_index_t],
             advantages=self.advantages[token_index_t],
+            replay_ids=replay_ids,
         )
 
     # ----------------------------------------------------------------------------------- transport
@@ -332,12 +388,17 @@ def broadcast_batch(
     is_src = dist.get_rank() == src
     if is_src and batch is None:
         raise ValueError(f"rank {src} is the broadcast source but has no batch")
-    header = torch.zeros(3, dtype=torch.int64)
+    # [samples, tokens, response tokens, trace layers (0: no traces), trace top_k, trace id bits]
+    header = torch.zeros(6, dtype=torch.int64)
     if is_src:
-        header = torch.tensor([batch.num_samples, batch.num_tokens, batch.rollout_logprobs.numel()], dtype=torch.int64)
+        route = batch.routed_experts
+        bits = 0 if route is None else (16 if route.dtype == torch.int16 else 32)
+        layers, top_k = (0, 0) if route is None else tuple(route.shape[1:])
+        sizes_out = [batch.num_samples, batch.num_tokens, batch.rollout_logprobs.numel(), layers, top_k, bits]
+        header = torch.tensor(sizes_out, dtype=torch.int64)
     header = header.to(device)
     dist.broadcast(header, src=src, group=group)
-    num_samples, num_tokens, num_resp = header.tolist()
+    num_samples, num_tokens, num_resp, layers, top_k, bits = header.tolist()
     sizes = {
         "tokens": num_tokens, "seq_offsets": num_samples + 1, "resp_offsets": num_samples + 1,
         "prompt_lengths": num_samples, "rewards": num_samples, "group_ids": num_samples, "sample_ids": num_samples,
@@ -350,7 +411,42 @@ def broadcast_batch(
             t = torch.empty(sizes.get(name, num_resp), dtype=_WIRE_DTYPES[name], device=device)
         dist.broadcast(t, src=src, group=group)
         out[name] = t.cpu()
+    if layers > 0:
+        # int32 on the wire: gloo has no int16 collectives
+        shape = (num_tokens - num_samples, layers, top_k)
+        if is_src:
+            t = batch.routed_experts.to(torch.int32).contiguous().to(device)  # type: ignore[union-attr]
+        else:
+            t = torch.empty(shape, dtype=torch.int32, device=device)
+        dist.broadcast(t, src=src, group=group)
+        out["routed_experts"] = t.cpu().to(torch.int16 if bits == 16 else torch.int32)
     return RolloutBatch(**out)
+
+
+def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _pack_traces(samples: Sequence[SampleRecord]) -> Tensor | None:
+    """All samples' routing traces packed flat (int16, int32 when an id needs it), or None when none has one.
+
+    Raises ValueError when only some samples have a trace or the traces disagree on [moe_layers, top_k].
+    """
+    missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
+    if len(missing) == len(samples):
+        return None
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of {len(samples)} samples have no routed_experts (first: sample {missing[0]}): "
+            "a batch carries routing traces for all samples or for none"
+        )
+    traces = [s.routed_experts for s in samples]
+    shapes = sorted({tuple(t.shape[1:]) for t in traces})  # type: ignore[union-attr]
+    if len(shapes) != 1:
+        raise ValueError(f"routed_experts disagree on [moe_layers, top_k] across samples: {shapes}")
+    hi = max((int(t.max()) for t in traces if t.size), default=0)  # type: ignore[union-attr]
+    dtype = np.int16 if hi <= np.iinfo(np.int16).max else np.int32
+    return torch.from_numpy(np.concatenate([t.astype(dtype, copy=False) for t in traces]))  # type: ignore[union-attr]
 
 
 def _offsets(lengths: Sequence[int]) -> Tensor:

@@ -14,6 +14,21 @@ A rollout step (`train_step`) follows slime:
 4. per micro-batch: loss = pg_loss - entropy_coef * entropy + kl_loss_coef * kl, scaled so that the
    gradient equals that of one big batch over all micro-batches and ranks; clip; AdamW step.
 
+R3 (rollout routing replay), for MoE policies whose batch carries the rollout's routing traces
+(`SampleRecord.routed_experts`): with `use_rollout_routing_replay`, every forward of the policy (old
+logprobs, training, `compute_logprobs`) and of the KL reference model runs inside
+`vime.r3.hf_router.RoutingReplay` with the micro-batch's `replay_ids`, so the trainer uses the experts the
+rollout engine used. The reference is replayed too so that the KL term compares policy and reference
+along the same expert path as the importance ratio (the gradient then only measures weight drift, not
+routing flips). Whether replay is on or off, a batch with traces also yields `train/routing_agreement`:
+the fraction of (token, MoE layer) routes where the trainer's own top-k expert set, recorded with
+`RoutingRecorder` in an unreplayed no-grad forward of the pre-update policy, equals the rollout's. Only
+the rows that predict response tokens count (positions P-1 .. P+R-2: the last prompt token and every
+response token but the last); the fraction is over all ranks and optimizer steps. It reuses the
+old-logprob pass when that pass exists and is unreplayed; otherwise (replay on, or a single optimizer
+step where the training forward supplies the old logprobs) it costs one extra no-grad forward per
+micro-batch. The replayed forward itself agrees by construction, so that is not what is reported.
+
 Every rank runs the same number of forwards per phase (short ranks run a zero-weighted dummy forward),
 because DDP's gradient all-reduce and FSDP2's parameter all-gathers are collectives.
 """
@@ -35,6 +50,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from vime.logging import get_logger
+from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
+from vime.r3.trace import routing_agreement
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
 
@@ -76,6 +93,8 @@ class TorchTrainerConfig:
     use_fsdp: bool = False
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    # R3: run policy and reference forwards with the rollout's experts when the batch carries traces
+    use_rollout_routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.advantage_estimator != "grpo":
@@ -150,6 +169,10 @@ class TorchTrainer:
             ref.config.use_cache = False
             ref.to(self.device).eval().requires_grad_(False)
             self.ref_module = _ResponseLogits(ref)
+        # MoE routers (empty for dense models), found before FSDP wraps anything; used by R3
+        self._routers = {id(self.module): find_routers(self.hf_model)}
+        if self.ref_module is not None:
+            self._routers[id(self.ref_module)] = find_routers(self.ref_module.hf)
 
         self.policy: nn.Module = self.module
         if self.use_fsdp:
@@ -222,39 +245,93 @@ class TorchTrainer:
         with self._autocast():
             return module(ids, positions, torch.zeros(1, dtype=torch.int64, device=self.device))
 
-    def _logits(self, module: nn.Module, mb: MicroBatch) -> Tensor:
-        with self._autocast():
+    def _logits(self, module: nn.Module, mb: MicroBatch, replay: bool = False) -> Tensor:
+        """Logits at `mb.logit_index`; with `replay`, routed with `mb.replay_ids` (R3)."""
+        routing: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if replay and mb.replay_ids is not None:
+            bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
+            routing = RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)])
+        with routing, self._autocast():
             return module(mb.input_ids, mb.position_ids, mb.logit_index)
 
-    @torch.no_grad()
-    def _shard_logprobs(self, shard: RolloutBatch, module: nn.Module) -> Tensor:
-        """No-grad logprobs of every response token of `shard` (flat, shard order).
+    def _replay(self, batch: RolloutBatch) -> bool:
+        return self.cfg.use_rollout_routing_replay and batch.routed_experts is not None
 
-        Pass the bare module, not the DDP wrapper: DDP only matters when gradients flow, and FSDP2's
-        hooks live on the module itself.
+    def check_routes(self, batch: RolloutBatch) -> None:
+        """Raise ValueError when `batch`'s routing traces do not fit this model's MoE routers (layer count,
+        top-k, expert ids). A batch without traces always passes."""
+        if batch.routed_experts is None:
+            return
+        routers = self._routers[id(self.module)]
+        if not routers:
+            raise ValueError(f"batch carries routing traces but {type(self.hf_model).__name__} has no MoE routers")
+        layers, top_k = tuple(batch.routed_experts.shape[1:])
+        experts, k = int(routers[0][1].num_experts), int(routers[0][1].top_k)
+        if (layers, top_k) != (len(routers), k):
+            raise ValueError(f"routing traces are [tokens - 1, {layers}, {top_k}] but the model has {len(routers)} "
+                             f"MoE layers with top_k {k}: expected [tokens - 1, {len(routers)}, {k}]")
+        if batch.routed_experts.numel():
+            hi = int(batch.routed_experts.max())
+            if hi >= experts:
+                raise ValueError(f"routing traces hold expert id {hi}, the model has {experts} experts")
+
+    def _routing_counts(self, mb: MicroBatch, ids: Tensor) -> Tensor:
+        """[matches, routes] of the recorded routing `ids` [B, T, L, k] vs the rollout's, at logit rows."""
+        rows = mb.input_ids.numel()
+        mask = torch.zeros(rows, dtype=torch.bool)
+        mask[mb.logit_index.cpu()] = True
+        total = int(mask.sum()) * ids.shape[2]
+        if total == 0:
+            return torch.zeros(2, dtype=torch.float64)
+        rollout = mb.replay_ids.cpu().reshape(rows, *ids.shape[2:]).numpy()  # type: ignore[union-attr]
+        agree = routing_agreement(ids.reshape(rows, *ids.shape[2:]).numpy(), rollout, mask.numpy())
+        return torch.tensor([round(agree * total), total], dtype=torch.float64)
+
+    @torch.no_grad()
+    def _shard_logprobs(
+        self, shard: RolloutBatch, module: nn.Module, replay: bool = False, record: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """No-grad logprobs of every response token of `shard` (flat, shard order), and the routing
+        agreement counts [matches, routes] (zeros unless `record`).
+
+        `replay` routes with the rollout's traces; `record` records the model's own routing and compares
+        it to the traces (never both: a replayed forward agrees by construction). Pass the bare module,
+        not the DDP wrapper: DDP only matters when gradients flow, and FSDP2's hooks live on the module.
         """
+        if replay and record:
+            raise ValueError("recording routing agreement needs an unreplayed forward")
         out = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
+        counts = torch.zeros(2, dtype=torch.float64)
+        recorder = RoutingRecorder(_hf(module), routers=self._routers[id(module)]) if record else None
         for mb in self._synced_micro_batches(shard):
             if mb is None:
                 self._dummy_logits(module)
                 continue
             mb = mb.to(self.device)
-            logits = self._logits(module, mb)
+            if recorder is not None:
+                recorder.reset()
+                with recorder:
+                    logits = self._logits(module, mb)
+                counts += self._routing_counts(mb, recorder.expert_ids())
+            else:
+                logits = self._logits(module, mb, replay=replay)
             lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
             out[mb.token_index.cpu()] = lp.cpu()
-        return out
+        return out, counts
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
         """Current policy's logprob of every response token, one float32 array per sample, every rank.
 
-        Collective: every rank must call it with the same batch. Work is split across ranks.
+        Collective: every rank must call it with the same batch. Work is split across ranks. With
+        `use_rollout_routing_replay` and a batch with routing traces, the forward replays them.
         """
+        self.check_routes(batch)
         idx = batch.shard_indices(self.world_size)[self.rank]
         shard = batch.select(idx)
         flat = torch.zeros(batch.rollout_logprobs.numel(), dtype=torch.float32)
         positions = _ranges(batch.resp_offsets[torch.tensor(idx, dtype=torch.int64)], shard.response_lengths)
-        flat[positions] = self._shard_logprobs(shard, self.module)
+        flat[positions] = self._shard_logprobs(shard, self.module, replay=self._replay(batch))[0]
         if self.distributed:
             flat = self._all_reduce(flat)
         return batch.split_responses(flat)
@@ -266,11 +343,15 @@ class TorchTrainer:
 
         Returns slime-named metrics, equal on all ranks, averaged over the optimizer steps. Collective:
         every rank calls it with the same (broadcast) batch. Raises ValueError on an empty batch. An
-        optimizer step whose gradient norm is not finite is skipped (and logged).
+        optimizer step whose gradient norm is not finite is skipped (and logged). A batch with routing
+        traces adds `train/routing_agreement` (see module docstring; NaN if no response token) and raises
+        ValueError when its traces do not fit the model (`check_routes`).
         """
         cfg = self.cfg
         if batch.num_samples == 0:
             raise ValueError("train_step got an empty batch")
+        self.check_routes(batch)
+        replay, record = self._replay(batch), batch.routed_experts is not None
         start = time.perf_counter()
         advantages = losses.grpo_advantages(
             batch.rewards, batch.group_ids, normalize_std=not cfg.disable_grpo_std_normalization
@@ -287,17 +368,34 @@ class TorchTrainer:
         # Old-policy logprobs must be taken before the first update. With one update they equal the
         # training forward's own (detached) logprobs, so that forward fills them in instead.
         recompute_old = len(shards) > 1
-        old = [self._shard_logprobs(s, self.module) if recompute_old else None for s in shards]
-        ref = [self._shard_logprobs(s, self.ref_module) if self.ref_module is not None else None for s in shards]
+        old: list[Tensor | None] = [None] * len(shards)
+        route_counts = torch.zeros(2, dtype=torch.float64)
+        for k, s in enumerate(shards):
+            if recompute_old:
+                old[k], c = self._shard_logprobs(s, self.module, replay=replay, record=record and not replay)
+                route_counts += c
+            if record and (replay or not recompute_old):  # no unreplayed no-grad pass yet: one just for R3
+                route_counts += self._shard_logprobs(s, self.module, record=True)[1]
+        ref = [
+            self._shard_logprobs(s, self.ref_module, replay=replay)[0] if self.ref_module is not None else None
+            for s in shards
+        ]
 
         step_metrics = []
         for k, shard in enumerate(shards):
             if old[k] is None:
                 old[k] = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
-            step_metrics.append(self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old))
+            step_metrics.append(
+                self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old, replay=replay)
+            )
 
         metrics = {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
         metrics["train/train_rollout_logprob_abs_diff"] = self._abs_diff(shards, old)
+        if record:
+            if self.distributed:
+                route_counts = self._all_reduce(route_counts)
+            matches, routes = route_counts.tolist()
+            metrics["train/routing_agreement"] = matches / routes if routes > 0 else float("nan")
         if self.rank == 0:
             log.info(
                 "train_step", optimizer_step=self.optimizer_steps, samples=batch.num_samples,
@@ -307,7 +405,7 @@ class TorchTrainer:
         return metrics
 
     def _optimizer_step(
-        self, shard: RolloutBatch, old_lp: Tensor, ref_lp: Tensor | None, fill_old: bool
+        self, shard: RolloutBatch, old_lp: Tensor, ref_lp: Tensor | None, fill_old: bool, replay: bool = False
     ) -> dict[str, float]:
         cfg = self.cfg
         per_token = cfg.calculate_per_token_loss
@@ -327,7 +425,7 @@ class TorchTrainer:
                     (self._dummy_logits(self.policy).sum() * 0.0).backward()
                     continue
                 mb = mb.to(self.device)
-                logits = self._logits(self.policy, mb)
+                logits = self._logits(self.policy, mb, replay=replay)
                 lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
                 token_index = mb.token_index.cpu()
                 if fill_old:
@@ -487,6 +585,11 @@ def _resolve_device(device: str) -> torch.device:
     if local_rank is not None:
         torch.cuda.set_device(int(local_rank))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _hf(module: nn.Module) -> nn.Module:
+    """The transformers model inside a `_ResponseLogits` (hooks attach to its routers)."""
+    return module.hf if isinstance(module, _ResponseLogits) else module
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
