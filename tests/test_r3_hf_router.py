@@ -73,6 +73,7 @@ def test_finds_qwen3_moe_routers(model):
 
 def test_record_gives_valid_per_sample_traces(model):
     traces = record(model, *batch())
+    assert [t.shape[0] for t in traces] == [n - 1 for n in LENGTHS]
     for trace, n in zip(traces, LENGTHS):
         validate_trace(trace, num_tokens=n, num_experts=NUM_EXPERTS, num_moe_layers=2, top_k=TOP_K)
 

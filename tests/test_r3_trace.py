@@ -89,7 +89,9 @@ def test_validate_names_uncaptured_layers():
 
 
 def test_empty_trace_of_a_one_token_sequence_is_valid():
-    validate_trace(encode_trace(np.zeros((0, 2, 2), np.int64), 8), num_tokens=1, num_experts=8)
+    trace = encode_trace(np.zeros((0, 2, 2), np.int64), 8)
+    assert trace.shape == (0, 2, 2) and trace.dtype == np.uint8
+    validate_trace(trace, num_tokens=1, num_experts=8)  # raises if a one-token sequence were refused
 
 
 def test_pad_for_training_appends_a_pad_row():
