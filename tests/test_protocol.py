@@ -205,3 +205,50 @@ def test_round_trip_property(tokens: list[int], text: str, label: str | None) ->
     decoded = decode(encode(group))
     assert decoded.prompt_text == text and decoded.label == label
     np.testing.assert_array_equal(decoded.prompt_tokens, group.prompt_tokens)
+
+
+# --- R3 routing traces ---------------------------------------------------------------------------------
+
+
+def _group_with_traces(num_experts: int = 64, layers: int = 2, top_k: int = 4, length: int = 100) -> Group:
+    group = make_group(n=2, length=length)
+    rng = np.random.default_rng(0)
+    rows = len(group.prompt_tokens) + length - 1
+    for sample in group.samples:
+        ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(rows * layers)]).reshape(rows, layers, top_k)
+        sample.routed_experts = ids.astype(np.uint8 if num_experts <= 256 else np.uint16)
+        sample.num_experts = num_experts
+    return group
+
+
+@pytest.mark.parametrize("num_experts", [64, 300])
+def test_routing_trace_round_trips_bit_identically_as_a_zero_copy_frame(num_experts: int) -> None:
+    group = _group_with_traces(num_experts=num_experts)
+    frames = [bytes(f) if not isinstance(f, bytes) else f for f in encode(GroupsGenerated(groups=[group]))]
+    decoded = decode(frames).groups[0]
+    for sent, got in zip(group.samples, decoded.samples, strict=True):
+        assert got.num_experts == num_experts
+        assert got.routed_experts.dtype == sent.routed_experts.dtype
+        assert got.routed_experts.shape == sent.routed_experts.shape
+        assert got.routed_experts.tobytes() == sent.routed_experts.tobytes()
+        assert not got.routed_experts.flags.owndata  # a view of its frame
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda s: setattr(s, "routed_experts", s.routed_experts[:-1]), "110 rows for 112 tokens"),
+        (lambda s: setattr(s, "routed_experts", s.routed_experts[:, 0]), "3-D"),
+        (lambda s: setattr(s, "routed_experts", s.routed_experts.astype(np.uint16)), "dtype uint16 does not match 64"),
+        (lambda s: s.routed_experts.__setitem__((3, 1, 0), 64), "expert id 64, outside"),
+        (lambda s: setattr(s, "num_experts", None), "routed_experts without num_experts"),
+    ],
+    ids=["rows", "ndim", "dtype", "id_range", "no_num_experts"],
+)
+def test_a_bad_routing_trace_is_an_invalid_message_naming_the_problem(corrupt, message: str) -> None:  # type: ignore[no-untyped-def]
+    group = _group_with_traces()
+    corrupt(group.samples[1])
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(GroupsGenerated(groups=[group])))
+    assert err.value.code == ERROR_INVALID
+    assert message in err.value.detail and "sample 1" in err.value.detail

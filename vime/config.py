@@ -57,6 +57,12 @@ class VimeConfig(BaseModel):
     num_rollout_workers: int = Field(1, ge=1, description="rollout worker processes started by `vime run`")
     rollout_concurrency: int = Field(8, ge=1, description="groups a rollout worker generates at once")
     vllm: dict[str, Any] = Field(default_factory=dict, description="vLLM engine args (--vllm-<arg>)")
+    rollout_dtype: str | None = Field(
+        None, description="dtype of the hf (transformers) rollout engine: float32 (default), bfloat16, float16"
+    )
+    use_rollout_routing_replay: bool = Field(
+        False, description="R3: record MoE routing in rollout and replay it in the trainer (hf engine, or vLLM on CUDA)"
+    )
 
     # --- reward ----------------------------------------------------------------------------------
     rm_type: str = Field("arithmetic", description="math | gsm8k | dapo | boxed_math | arithmetic | custom")

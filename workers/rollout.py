@@ -46,6 +46,8 @@ def to_sample(index: int, generated: GeneratedSample) -> Sample:
         finish_reason=generated.finish_reason,
         response_text=generated.response_text,
         status=status,  # type: ignore[arg-type]
+        routed_experts=generated.routed_experts,
+        num_experts=generated.num_experts,
     )
 
 
@@ -172,7 +174,12 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     use_vllm = cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "auto" and vllm_available())
     # --vllm-* flags are vLLM's engine arguments; the transformers fallback takes none of them.
     engine_args = dict(cfg.vllm) if use_vllm else {}
-    engine = build_engine(kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args)
+    if not use_vllm and cfg.rollout_dtype:
+        engine_args["dtype"] = cfg.rollout_dtype
+    engine = build_engine(
+        kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args,
+        capture_routing=cfg.use_rollout_routing_replay,
+    )  # fmt: skip
     await engine.start()
     client = BrokerClient(cfg.broker_address, "rollout", worker_id)
     try:

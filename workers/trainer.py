@@ -79,6 +79,7 @@ def trainer_config(cfg: VimeConfig) -> TorchTrainerConfig:
         seed=cfg.seed,
         use_fsdp=cfg.use_fsdp,
         rollout_temperature=cfg.rollout_temperature,
+        use_rollout_routing_replay=cfg.use_rollout_routing_replay,
     )
 
 
@@ -92,6 +93,7 @@ def groups_to_batch(groups: list[Group]) -> RolloutBatch:
             loss_mask=sample.loss_mask,
             reward=float(sample.reward if sample.reward is not None else 0.0),
             token_versions=sample.token_versions,
+            routed_experts=sample.routed_experts,
         )
         for g_index, group in enumerate(groups)
         for sample in group.samples

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from vime.protocol.codec import Message, require
+from vime.r3.trace import validate_trace
 
 Role = Literal["rollout", "reward", "trainer", "status"]
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
@@ -80,6 +81,21 @@ class Group(Message, tag="group"):
         require(len(self.samples) <= self.n_samples, f"group {self.group_id}: more samples than n_samples")
         for sample in self.samples:
             sample.validate()
+            if sample.routed_experts is not None:
+                self._validate_trace(sample)
+
+    def _validate_trace(self, sample: Sample) -> None:
+        """R3: the trace must cover prompt + response - 1 tokens, compact dtype, ids < num_experts."""
+        what = f"group {self.group_id} sample {sample.index}"
+        require(sample.num_experts is not None, f"{what}: routed_experts without num_experts")
+        try:
+            validate_trace(
+                sample.routed_experts,  # type: ignore[arg-type]
+                len(self.prompt_tokens) + len(sample.response_tokens),
+                int(sample.num_experts),  # type: ignore[arg-type]
+            )
+        except ValueError as exc:
+            require(False, f"{what}: {exc}")
 
     @property
     def oldest_version(self) -> int:

@@ -77,8 +77,9 @@ class GeneratedSample:
     - `finish_reason`: "stop" (EOS or a stop token, kept as the last token), "length" (max_tokens or
       the context limit), or "abort" (cancelled or failed inside the engine; the group should be
       retried, not trained on)
-    - `routed_experts`: MoE routing trace (tokens x layers x top-k, uint8/uint16) when the engine was
-      started with routed-expert capture (vLLM CUDA only), else None
+    - `routed_experts`: R3 routing trace `[prompt + response - 1, moe_layers, top_k]` (uint8/uint16, see
+      `vime.r3.trace`) when the engine was built with `capture_routing=True` (hf engine, or vLLM on
+      CUDA), else None; `num_experts` is the model's expert count that goes with it
     """
 
     response_tokens: np.ndarray
@@ -88,6 +89,7 @@ class GeneratedSample:
     finish_reason: FinishReason
     response_text: str = ""
     routed_experts: np.ndarray | None = None
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_tokens)
@@ -189,6 +191,8 @@ def build_engine(
     engine_args: dict[str, Any] | None = None,
     weight_endpoint: str | None = None,
     initial_version: int = 0,
+    *,
+    capture_routing: bool = False,
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -196,6 +200,8 @@ def build_engine(
     passed through (for vLLM: `AsyncEngineArgs` fields, e.g. from `--vllm-*` flags, dashes or
     underscores; for hf: see `HfRolloutEngine`). `weight_endpoint` is the default publisher endpoint
     for `update_weights`. `initial_version` is the version the checkpoint at `model_path` counts as.
+    `capture_routing` makes every sample carry its MoE routing trace (R3); the vLLM engine supports it
+    on CUDA only and raises RuntimeError when built without CUDA.
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -206,12 +212,14 @@ def build_engine(
         from vime.rollout.vllm_engine import VllmRolloutEngine
 
         return VllmRolloutEngine(
-            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version
+            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
+            capture_routing=capture_routing,
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine
 
         return HfRolloutEngine(
-            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version
+            model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
+            capture_routing=capture_routing,
         )
     raise ValueError(f"unknown engine kind {kind!r}; expected 'vllm', 'hf' or 'auto'")

@@ -19,13 +19,19 @@ engine_args: `dtype` ("float32" default, or "bfloat16"/"float16"), `num_threads`
 threads, default unchanged), `max_model_len` (default: the model's `max_position_embeddings`),
 `seed` (seeds torch's global generator once at start, for reproducible unseeded sampling),
 `max_concurrent` (decode threads, default 16: more concurrent `generate` calls wait their turn).
-Unknown keys raise ValueError. Weight fetches and copies run on their own thread, so a full set of
+Unknown keys raise ValueError.
+
+R3: with `capture_routing=True` (constructor flag) every MoE router's top-k is recorded
+(`vime.r3.hf_router.RoutingRecorder`) over the prompt forward and every decode step, and each sample
+carries its trace `[prompt_len + response_len - 1, moe_layers, top_k]` (compact dtype, see
+`vime.r3.trace`) plus the expert count. A model without MoE routers fails at `start`. Weight fetches and copies run on their own thread, so a full set of
 generations never delays an update.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +90,38 @@ def sample_tokens(logits: Any, sampling: SamplingConfig, generator: Any) -> tupl
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(tensors: list[tuple[str, Any]], targets: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Per-expert checkpoint names (`...experts.<e>.gate_proj.weight`, as the trainer publishes them,
+    the format vLLM loads) to the fused parameters of transformers 5 MoE blocks (`...experts.gate_up_proj`
+    [E, 2I, H] = per expert cat(gate, up); `...experts.down_proj` [E, H, I]), when the model has those.
+    Other names pass through unchanged. Raises WeightUpdateError when an expert is missing."""
+    import torch
+
+    out: list[tuple[str, Any]] = []
+    groups: dict[str, dict[str, dict[int, Any]]] = {}
+    for name, tensor in tensors:
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None or f"{m['prefix']}.down_proj" not in targets or name in targets:
+            out.append((name, tensor))
+            continue
+        groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["expert"])] = tensor
+    for prefix, projs in groups.items():
+        num = int(targets[f"{prefix}.down_proj"].shape[0])
+
+        def stack(proj: str, prefix: str = prefix, projs: dict = projs, num: int = num) -> Any:
+            per = projs.get(proj, {})
+            if sorted(per) != list(range(num)):
+                raise WeightUpdateError(f"fetched {prefix}.*.{proj} covers experts {sorted(per)[:8]}..., need 0..{num - 1}")
+            return torch.stack([per[e] for e in range(num)])
+
+        out.append((f"{prefix}.gate_up_proj", torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)))
+        out.append((f"{prefix}.down_proj", stack("down_proj")))
+    return out
+
+
 class HfRolloutEngine(RolloutEngine):
     """`RolloutEngine` on a transformers causal LM (CPU or one GPU). See the module docstring."""
 
@@ -95,6 +133,7 @@ class HfRolloutEngine(RolloutEngine):
         initial_version: int = 0,
         *,
         fetch_timeout_s: float = 60.0,
+        capture_routing: bool = False,
     ) -> None:
         args = {str(k).replace("-", "_"): v for k, v in (engine_args or {}).items()}
         unknown = set(args) - _KNOWN_ARGS
@@ -105,6 +144,8 @@ class HfRolloutEngine(RolloutEngine):
         self._weight_endpoint = weight_endpoint
         self._version = int(initial_version)
         self._fetch_timeout_s = float(fetch_timeout_s)
+        self._capture_routing = bool(capture_routing)
+        self._routers: list[tuple[str, Any]] = []  # the MoE routers, found once at load (R3 capture)
         self._model: Any = None
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
@@ -147,6 +188,12 @@ class HfRolloutEngine(RolloutEngine):
             eos = getattr(model.config, "eos_token_id", None)
         self._eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
         self._max_len = int(self._args.get("max_model_len") or model.config.max_position_embeddings)
+        if self._capture_routing:
+            from vime.r3.hf_router import find_routers
+
+            self._routers = find_routers(model)
+            if not self._routers:
+                raise ValueError(f"capture_routing needs an MoE model; {self._model_path} has no MoE routers")
         self._model = model
 
     async def shutdown(self) -> None:
@@ -206,6 +253,12 @@ class HfRolloutEngine(RolloutEngine):
 
         ids = torch.tensor([prompt] * n, dtype=torch.long, device=self._device)
         cache = None
+        recorder = None
+        if self._capture_routing:
+            from vime.r3.hf_router import RoutingRecorder
+
+            # Per call: its hooks are installed only around this call's own forwards (under the lock).
+            recorder = RoutingRecorder(self._model, routers=self._routers)
         with torch.inference_mode():
             for step in range(max_new):
                 if cancel.is_set() or self._closed:
@@ -216,7 +269,11 @@ class HfRolloutEngine(RolloutEngine):
                     if model is None:
                         finish = [f or "abort" for f in finish]
                         break
-                    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    if recorder is not None:
+                        with recorder:
+                            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    else:
+                        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
                     version = self._version  # the weights these logits came from
                 cache = out.past_key_values
                 next_tokens, next_logprobs = sample_tokens(out.logits[:, -1, :].float(), sampling, generator)
@@ -234,6 +291,10 @@ class HfRolloutEngine(RolloutEngine):
                 if all(f is not None for f in finish):
                     break
                 ids = next_tokens[:, None]  # finished rows keep decoding; their tokens are ignored
+        traces: list[np.ndarray | None] = [None] * n
+        if recorder is not None and recorder.recorded_tokens:
+            # Row b's trace covers prompt + response - 1 tokens: the last sampled token was never fed back.
+            traces = list(recorder.traces([len(prompt) + int(length) for length in lengths]))
         samples = []
         for row in range(n):
             length = int(lengths[row])
@@ -249,6 +310,8 @@ class HfRolloutEngine(RolloutEngine):
                     token_versions=versions[row, :length].copy(),
                     finish_reason=finish[row] or "length",
                     response_text=text,
+                    routed_experts=traces[row],
+                    num_experts=recorder.num_experts if traces[row] is not None else None,  # type: ignore[union-attr]
                 )
             )
         return samples
@@ -330,7 +393,8 @@ class HfRolloutEngine(RolloutEngine):
 
         model = self._running()
         targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
-        for name, tensor in fetched.tensors:  # validate everything before touching anything
+        tensors = fuse_expert_weights(list(fetched.tensors), targets)
+        for name, tensor in tensors:  # validate everything before touching anything
             if name not in targets:
                 raise WeightUpdateError(f"fetched weight {name!r} is not a parameter of the model")
             if tuple(targets[name].shape) != tuple(tensor.shape):
@@ -338,7 +402,7 @@ class HfRolloutEngine(RolloutEngine):
                     f"fetched weight {name!r} has shape {tuple(tensor.shape)}, model has {tuple(targets[name].shape)}"
                 )
         # A tied weight (lm_head = embed_tokens) is covered when any of its names arrives.
-        covered = {targets[name].data_ptr() for name, _ in fetched.tensors}
+        covered = {targets[name].data_ptr() for name, _ in tensors}
         missing = [name for name, t in targets.items() if t.data_ptr() not in covered and t.numel()]
         if missing:
             log.warning("fetched weights do not cover the model; keeping old values", missing=sorted(missing)[:8],
@@ -346,7 +410,7 @@ class HfRolloutEngine(RolloutEngine):
         wait_start = time.perf_counter()
         with self._model_lock, torch.no_grad():
             copy_start = time.perf_counter()
-            for name, tensor in fetched.tensors:
+            for name, tensor in tensors:
                 targets[name].copy_(tensor.to(targets[name].device))
             self._version = int(fetched.version)
             copy_s = time.perf_counter() - copy_start

