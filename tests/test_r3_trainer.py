@@ -100,9 +100,12 @@ def test_train_step_with_replay_reports_routing_agreement(model_dir, samples, st
                      use_kl_loss=True, kl_loss_coef=0.1, use_tis=True)  # fmt: skip
         metrics[replay] = TorchTrainer(cfg).train_step(batch)
         assert all(math.isfinite(v) for v in metrics[replay].values()), metrics[replay]
-        assert 0.5 < metrics[replay]["train/routing_agreement"] < 1.0
-    # the agreement is of the unreplayed pre-update policy: the same with replay on and off
-    assert metrics[True]["train/routing_agreement"] == metrics[False]["train/routing_agreement"]
+        assert 0.5 < metrics[replay]["train/routing_agreement_unreplayed"] < 1.0
+    # the routes actually used: the rollout's under replay, the trainer's own without
+    assert metrics[True]["train/routing_agreement"] == 1.0
+    assert metrics[False]["train/routing_agreement"] == metrics[False]["train/routing_agreement_unreplayed"]
+    # the unreplayed figure is of the same pre-update policy: the same with replay on and off
+    assert metrics[True]["train/routing_agreement_unreplayed"] == metrics[False]["train/routing_agreement_unreplayed"]
     on, off = (metrics[r]["train/train_rollout_logprob_abs_diff"] for r in (True, False))
     print(f"train_step abs diff ({steps} step(s)): replay on {on:.6f}, off {off:.6f}")
     assert on < off
@@ -113,7 +116,23 @@ def test_batch_without_traces_has_no_agreement_metric(model_dir, samples):
     metrics = TorchTrainer(config(model_dir, use_rollout_routing_replay=True)).train_step(
         RolloutBatch.from_samples(plain)
     )
-    assert "train/routing_agreement" not in metrics and all(math.isfinite(v) for v in metrics.values())
+    assert "train/routing_agreement" not in metrics and "train/routing_agreement_unreplayed" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_replayed_agreement_is_measured_not_assumed(model_dir, samples, steps, monkeypatch):
+    """A replay whose hooks do nothing leaves the trainer on its own routes: the metric must show it."""
+    import vime.trainer.torch_backend as tb
+
+    class BrokenReplay(RoutingReplay):
+        def _router_hook(self, i):
+            return lambda module, args, output: None
+
+    monkeypatch.setattr(tb, "RoutingReplay", BrokenReplay)
+    cfg = config(model_dir, use_rollout_routing_replay=True, micro_batch_size=2, num_steps_per_rollout=steps)
+    metrics = TorchTrainer(cfg).train_step(RolloutBatch.from_samples(samples))
+    assert metrics["train/routing_agreement"] == metrics["train/routing_agreement_unreplayed"] < 1.0
 
 
 def test_traces_that_do_not_fit_the_model_raise(model_dir, samples):

@@ -1,4 +1,4 @@
-"""The `vime` command: run a job, query a broker, report on a run, build the demo model."""
+"""The `vime` command: run a job, query a broker, report on a run, build the demo model, benchmark."""
 
 from __future__ import annotations
 
@@ -69,7 +69,20 @@ def _cmd_make_demo_model(argv: list[str]) -> int:
     return int(factory_main(argv) or 0)
 
 
-COMMANDS = {"run": _cmd_run, "status": _cmd_status, "report": _cmd_report, "make-demo-model": _cmd_make_demo_model}
+def _cmd_bench(argv: list[str]) -> int:
+    benches = {"r3": "vime.bench.r3"}
+    if not argv or argv[0] not in benches:
+        print(f"usage: vime bench {{{','.join(benches)}}} [--json] ...", file=sys.stderr)
+        return 2
+    import importlib
+
+    return int(importlib.import_module(benches[argv[0]]).main(argv[1:]) or 0)
+
+
+COMMANDS = {
+    "run": _cmd_run, "status": _cmd_status, "report": _cmd_report, "make-demo-model": _cmd_make_demo_model,
+    "bench": _cmd_bench,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,14 +20,19 @@ logprobs, training, `compute_logprobs`) and of the KL reference model runs insid
 `vime.r3.hf_router.RoutingReplay` with the micro-batch's `replay_ids`, so the trainer uses the experts the
 rollout engine used. The reference is replayed too so that the KL term compares policy and reference
 along the same expert path as the importance ratio (the gradient then only measures weight drift, not
-routing flips). Whether replay is on or off, a batch with traces also yields `train/routing_agreement`:
-the fraction of (token, MoE layer) routes where the trainer's own top-k expert set, recorded with
-`RoutingRecorder` in an unreplayed no-grad forward of the pre-update policy, equals the rollout's. Only
-the rows that predict response tokens count (positions P-1 .. P+R-2: the last prompt token and every
-response token but the last); the fraction is over all ranks and optimizer steps. It reuses the
-old-logprob pass when that pass exists and is unreplayed; otherwise (replay on, or a single optimizer
-step where the training forward supplies the old logprobs) it costs one extra no-grad forward per
-micro-batch. The replayed forward itself agrees by construction, so that is not what is reported.
+routing flips). Whether replay is on or off, a batch with traces also yields two metrics, each the
+fraction of (token, MoE layer) routes whose top-k expert set equals the rollout's, recorded with
+`RoutingRecorder` in a forward of the pre-update policy:
+- `train/routing_agreement`: the routes the trainer actually used. It is recorded inside the forward
+  that supplies the old logprobs (the no-grad old-logprob pass, or with a single optimizer step the
+  training forward itself), after `RoutingReplay` has replaced the router's choice, so with replay on
+  it measures (not assumes) that the replay took effect: 1.0 unless a route fell back to the model's
+  own choice. Free: no extra forward.
+- `train/routing_agreement_unreplayed`: the routes the trainer would pick on its own, from an
+  unreplayed forward. With replay off this is the same forward (and the same number); with replay on
+  it costs one extra no-grad unreplayed forward per micro-batch.
+Only the rows that predict response tokens count (positions P-1 .. P+R-2: the last prompt token and
+every response token but the last); the fractions are over all ranks and optimizer steps.
 
 Every rank runs the same number of forwards per phase (short ranks run a zero-weighted dummy forward),
 because DDP's gradient all-reduce and FSDP2's parameter all-gathers are collectives.
@@ -245,14 +250,25 @@ class TorchTrainer:
         with self._autocast():
             return module(ids, positions, torch.zeros(1, dtype=torch.int64, device=self.device))
 
-    def _logits(self, module: nn.Module, mb: MicroBatch, replay: bool = False) -> Tensor:
-        """Logits at `mb.logit_index`; with `replay`, routed with `mb.replay_ids` (R3)."""
-        routing: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if replay and mb.replay_ids is not None:
-            bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
-            routing = RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)])
-        with routing, self._autocast():
-            return module(mb.input_ids, mb.position_ids, mb.logit_index)
+    def _logits(
+        self, module: nn.Module, mb: MicroBatch, replay: bool = False, counts: Tensor | None = None
+    ) -> Tensor:
+        """Logits at `mb.logit_index`; with `replay`, routed with `mb.replay_ids` (R3). With `counts`,
+        the routes the forward used (after any replay) are recorded and their agreement with the
+        rollout's, [matches, routes], is added to `counts` in place."""
+        bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
+        with contextlib.ExitStack() as stack:
+            if replay and mb.replay_ids is not None:
+                stack.enter_context(RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)]))
+            # entered after the replay so its hook runs second and sees the replayed ids
+            recorder = None
+            if counts is not None:
+                recorder = stack.enter_context(RoutingRecorder(_hf(bare), routers=self._routers[id(bare)]))
+            with self._autocast():
+                logits = module(mb.input_ids, mb.position_ids, mb.logit_index)
+            if recorder is not None:
+                counts += self._routing_counts(mb, recorder.expert_ids())
+        return logits
 
     def _replay(self, batch: RolloutBatch) -> bool:
         return self.cfg.use_rollout_routing_replay and batch.routed_experts is not None
@@ -294,27 +310,18 @@ class TorchTrainer:
         """No-grad logprobs of every response token of `shard` (flat, shard order), and the routing
         agreement counts [matches, routes] (zeros unless `record`).
 
-        `replay` routes with the rollout's traces; `record` records the model's own routing and compares
-        it to the traces (never both: a replayed forward agrees by construction). Pass the bare module,
-        not the DDP wrapper: DDP only matters when gradients flow, and FSDP2's hooks live on the module.
+        `replay` routes with the rollout's traces; `record` records the routes the forward used (after
+        any replay) and compares them to the traces. Pass the bare module, not the DDP wrapper: DDP only
+        matters when gradients flow, and FSDP2's hooks live on the module.
         """
-        if replay and record:
-            raise ValueError("recording routing agreement needs an unreplayed forward")
         out = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
         counts = torch.zeros(2, dtype=torch.float64)
-        recorder = RoutingRecorder(_hf(module), routers=self._routers[id(module)]) if record else None
         for mb in self._synced_micro_batches(shard):
             if mb is None:
                 self._dummy_logits(module)
                 continue
             mb = mb.to(self.device)
-            if recorder is not None:
-                recorder.reset()
-                with recorder:
-                    logits = self._logits(module, mb)
-                counts += self._routing_counts(mb, recorder.expert_ids())
-            else:
-                logits = self._logits(module, mb, replay=replay)
+            logits = self._logits(module, mb, replay=replay, counts=counts if record else None)
             lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
             out[mb.token_index.cpu()] = lp.cpu()
         return out, counts
@@ -344,7 +351,8 @@ class TorchTrainer:
         Returns slime-named metrics, equal on all ranks, averaged over the optimizer steps. Collective:
         every rank calls it with the same (broadcast) batch. Raises ValueError on an empty batch. An
         optimizer step whose gradient norm is not finite is skipped (and logged). A batch with routing
-        traces adds `train/routing_agreement` (see module docstring; NaN if no response token) and raises
+        traces adds `train/routing_agreement` and `train/routing_agreement_unreplayed` (see module
+        docstring; NaN if no response token) and raises
         ValueError when its traces do not fit the model (`check_routes`).
         """
         cfg = self.cfg
@@ -369,13 +377,14 @@ class TorchTrainer:
         # training forward's own (detached) logprobs, so that forward fills them in instead.
         recompute_old = len(shards) > 1
         old: list[Tensor | None] = [None] * len(shards)
-        route_counts = torch.zeros(2, dtype=torch.float64)
+        used_counts = torch.zeros(2, dtype=torch.float64)  # routes of the old-logprob forward
+        free_counts = torch.zeros(2, dtype=torch.float64)  # routes of an unreplayed forward
         for k, s in enumerate(shards):
             if recompute_old:
-                old[k], c = self._shard_logprobs(s, self.module, replay=replay, record=record and not replay)
-                route_counts += c
-            if record and (replay or not recompute_old):  # no unreplayed no-grad pass yet: one just for R3
-                route_counts += self._shard_logprobs(s, self.module, record=True)[1]
+                old[k], c = self._shard_logprobs(s, self.module, replay=replay, record=record)
+                used_counts += c
+            if record and replay:  # the unreplayed figure needs its own no-grad pass
+                free_counts += self._shard_logprobs(s, self.module, record=True)[1]
         ref = [
             self._shard_logprobs(s, self.ref_module, replay=replay)[0] if self.ref_module is not None else None
             for s in shards
@@ -385,17 +394,23 @@ class TorchTrainer:
         for k, shard in enumerate(shards):
             if old[k] is None:
                 old[k] = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
+            # with one update the training forward is the old-logprob forward: record its routes there
+            counts = used_counts if record and not recompute_old else None
             step_metrics.append(
-                self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old, replay=replay)
+                self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old, replay=replay, counts=counts)
             )
 
         metrics = {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
         metrics["train/train_rollout_logprob_abs_diff"] = self._abs_diff(shards, old)
         if record:
+            if not replay:  # unreplayed: the routes used are the trainer's own
+                free_counts = used_counts
+            both = torch.cat([used_counts, free_counts])
             if self.distributed:
-                route_counts = self._all_reduce(route_counts)
-            matches, routes = route_counts.tolist()
-            metrics["train/routing_agreement"] = matches / routes if routes > 0 else float("nan")
+                both = self._all_reduce(both)
+            (m_used, r_used, m_free, r_free) = both.tolist()
+            metrics["train/routing_agreement"] = m_used / r_used if r_used > 0 else float("nan")
+            metrics["train/routing_agreement_unreplayed"] = m_free / r_free if r_free > 0 else float("nan")
         if self.rank == 0:
             log.info(
                 "train_step", optimizer_step=self.optimizer_steps, samples=batch.num_samples,
@@ -405,8 +420,16 @@ class TorchTrainer:
         return metrics
 
     def _optimizer_step(
-        self, shard: RolloutBatch, old_lp: Tensor, ref_lp: Tensor | None, fill_old: bool, replay: bool = False
+        self,
+        shard: RolloutBatch,
+        old_lp: Tensor,
+        ref_lp: Tensor | None,
+        fill_old: bool,
+        replay: bool = False,
+        counts: Tensor | None = None,
     ) -> dict[str, float]:
+        """One optimizer step over `shard`. With `counts`, the routing agreement [matches, routes] of
+        the training forwards is added to it (see `_logits`)."""
         cfg = self.cfg
         per_token = cfg.calculate_per_token_loss
         denom = losses.loss_denominator(shard.loss_mask, shard.num_samples, per_token)
@@ -425,7 +448,7 @@ class TorchTrainer:
                     (self._dummy_logits(self.policy).sum() * 0.0).backward()
                     continue
                 mb = mb.to(self.device)
-                logits = self._logits(self.policy, mb, replay=replay)
+                logits = self._logits(self.policy, mb, replay=replay, counts=counts)
                 lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
                 token_index = mb.token_index.cpu()
                 if fill_old:

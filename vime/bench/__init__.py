@@ -1,0 +1,1 @@
+"""Benchmarks runnable as `vime bench NAME` (see `vime.cli`)."""
