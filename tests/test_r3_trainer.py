@@ -150,3 +150,18 @@ def test_traces_that_do_not_fit_the_model_raise(model_dir, samples):
         trainer.train_step(RolloutBatch.from_samples(big))
     with pytest.raises(ValueError, match="prompt \\+ response - 1"):
         SampleRecord(**{**samples[0].__dict__, "routed_experts": samples[0].routed_experts[1:]})
+
+
+def test_replay_with_activation_checkpointing_matches_replay_without(model_dir, samples):
+    """The recompute in backward re-runs the routers: it must replay the same experts as the forward."""
+    batch = RolloutBatch.from_samples(samples)
+    results = {}
+    for checkpointing in (False, True):
+        cfg = config(model_dir, use_rollout_routing_replay=True, micro_batch_size=2, gradient_checkpointing=checkpointing)
+        trainer = TorchTrainer(cfg)
+        results[checkpointing] = (trainer.train_step(batch), trainer.compute_logprobs(batch))
+    (m_plain, lp_plain), (m_ckpt, lp_ckpt) = results[False], results[True]
+    assert m_ckpt["train/routing_agreement"] == 1.0
+    assert abs(m_ckpt["train/grad_norm"] - m_plain["train/grad_norm"]) < 1e-4 * max(1.0, m_plain["train/grad_norm"])
+    for a, b in zip(lp_plain, lp_ckpt):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -27,8 +27,10 @@ out-of-range ids: in transformers 5.19 only the eager one does; `grouped_mm` (wh
 by default) yields NaN for them and `batched_mm` an IndexError, outside expert parallelism. Such tokens only influence later positions (causal
 attention), which are padding or the last token, so no loss reads them.
 
-Gradient checkpointing re-runs the routers in backward: replay is stateless per layer, so that is fine,
-but a recorder would record the recomputation twice; record under `torch.no_grad()`.
+Gradient checkpointing re-runs the routers in backward: keep the `RoutingReplay` context open until
+`backward()` returns, or the recomputation routes on its own and checkpointing fails on mismatched
+saved tensors (the torch trainer does this). A recorder left open through backward would record the
+recomputation twice; close it before backward or record under `torch.no_grad()`.
 """
 
 from __future__ import annotations

@@ -250,6 +250,13 @@ class TorchTrainer:
         with self._autocast():
             return module(ids, positions, torch.zeros(1, dtype=torch.int64, device=self.device))
 
+    def _routing_replay(self, module: nn.Module, mb: MicroBatch) -> contextlib.AbstractContextManager[object]:
+        """R3 replay of `mb.replay_ids` on `module`'s routers (a no-op context without traces)."""
+        if mb.replay_ids is None:
+            return contextlib.nullcontext()
+        bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
+        return RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)])
+
     def _logits(
         self, module: nn.Module, mb: MicroBatch, replay: bool = False, counts: Tensor | None = None
     ) -> Tensor:
@@ -258,8 +265,8 @@ class TorchTrainer:
         rollout's, [matches, routes], is added to `counts` in place."""
         bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
         with contextlib.ExitStack() as stack:
-            if replay and mb.replay_ids is not None:
-                stack.enter_context(RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)]))
+            if replay:
+                stack.enter_context(self._routing_replay(module, mb))
             # entered after the replay so its hook runs second and sees the replayed ids
             recorder = None
             if counts is not None:
@@ -448,33 +455,36 @@ class TorchTrainer:
                     (self._dummy_logits(self.policy).sum() * 0.0).backward()
                     continue
                 mb = mb.to(self.device)
-                logits = self._logits(self.policy, mb, replay=replay, counts=counts)
-                lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
-                token_index = mb.token_index.cpu()
-                if fill_old:
-                    old_lp[token_index] = lp.detach().cpu()
-                old = old_lp[token_index].to(self.device)
+                # The replay stays on through backward: with activation checkpointing the routers run again
+                # in the recompute and must pick the same experts as in the forward.
+                with self._routing_replay(self.policy, mb) if replay else contextlib.nullcontext():
+                    logits = self._logits(self.policy, mb, counts=counts)
+                    lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
+                    token_index = mb.token_index.cpu()
+                    if fill_old:
+                        old_lp[token_index] = lp.detach().cpu()
+                    old = old_lp[token_index].to(self.device)
 
-                def reduce(x: Tensor) -> Tensor:
-                    return losses.masked_sum(x, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
+                    def reduce(x: Tensor) -> Tensor:
+                        return losses.masked_sum(x, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
 
-                terms = losses.policy_loss(lp, old, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
-                pg = terms.pg_loss
-                extra: dict[str, Tensor] = {}
-                if cfg.use_tis:
-                    tis = losses.tis_weights(old, mb.rollout_logprobs, cfg.tis_clip, cfg.tis_clip_low)
-                    pg = pg * tis.weights
-                    ois = torch.exp(-terms.ppo_kl.detach())  # current / old policy ratio
-                    extra = {"tis": reduce(tis.ratio), "tis_clipfrac": reduce(tis.clipped), "ois": reduce(ois)}
-                pg_loss = reduce(pg)
-                with torch.set_grad_enabled(cfg.entropy_coef != 0.0):
-                    entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))
-                loss = pg_loss - cfg.entropy_coef * entropy
-                kl_loss = torch.zeros((), device=self.device)
-                if ref_lp is not None:
-                    kl_loss = reduce(losses.kl_penalty(lp, ref_lp[token_index].to(self.device), cfg.kl_loss_type))
-                    loss = loss + cfg.kl_loss_coef * kl_loss
-                (loss * scale).backward()
+                    terms = losses.policy_loss(lp, old, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
+                    pg = terms.pg_loss
+                    extra: dict[str, Tensor] = {}
+                    if cfg.use_tis:
+                        tis = losses.tis_weights(old, mb.rollout_logprobs, cfg.tis_clip, cfg.tis_clip_low)
+                        pg = pg * tis.weights
+                        ois = torch.exp(-terms.ppo_kl.detach())  # current / old policy ratio
+                        extra = {"tis": reduce(tis.ratio), "tis_clipfrac": reduce(tis.clipped), "ois": reduce(ois)}
+                    pg_loss = reduce(pg)
+                    with torch.set_grad_enabled(cfg.entropy_coef != 0.0):
+                        entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))
+                    loss = pg_loss - cfg.entropy_coef * entropy
+                    kl_loss = torch.zeros((), device=self.device)
+                    if ref_lp is not None:
+                        kl_loss = reduce(losses.kl_penalty(lp, ref_lp[token_index].to(self.device), cfg.kl_loss_type))
+                        loss = loss + cfg.kl_loss_coef * kl_loss
+                    (loss * scale).backward()
                 values = {
                     "loss": loss, "pg_loss": pg_loss, "pg_clipfrac": reduce(terms.pg_clipfrac),
                     "ppo_kl": reduce(terms.ppo_kl.detach()), "entropy_loss": entropy, "kl_loss": kl_loss, **extra,
