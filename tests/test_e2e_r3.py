@@ -4,8 +4,10 @@ The e2e runs `vime run` twice on a tiny Qwen3-MoE (64 experts, top-4: with 8 exp
 model routes identically in bf16 and fp32, so replay would change nothing): the hf rollout engine in
 bf16, the trainer in fp32, same seed. With `--use-rollout-routing-replay` the rollout's traces travel
 rollout -> broker -> trainer and the trainer's forwards use the rollout's experts; without it the trainer
-routes by itself. The R3 run logs `train/routing_agreement` every step (the trainer's own routing vs
-the rollout's, at response tokens); the run without the flag carries no traces and logs none. The
+routes by itself. The R3 run logs `train/routing_agreement` every step (the routes the trainer used vs
+the rollout's, at response tokens: 1.0, measured inside the replay) and
+`train/routing_agreement_unreplayed` (the trainer's own routes); the run without the flag carries no
+traces and logs neither. The
 logprob gap of the two runs is printed, not compared: they train on different samples. The ordering
 (gap smaller with replay) is asserted on the same samples in one trainer instead.
 
@@ -53,13 +55,14 @@ def test_r3_end_to_end_through_the_pipeline_reports_routing_agreement(tiny_moe: 
     with_r3 = _run(tmp_path / "r3", tiny_moe, "--use-rollout-routing-replay")
     without = _run(tmp_path / "plain", tiny_moe)
     for m in with_r3:
-        assert 0.0 < m["train/routing_agreement"] <= 1.0, m
+        assert m["train/routing_agreement"] == 1.0, m
+        assert 0.0 < m["train/routing_agreement_unreplayed"] <= 1.0, m
         assert np.isfinite(m["train/train_rollout_logprob_abs_diff"])
     for m in without:  # no traces captured: nothing to compare
         assert "train/routing_agreement" not in m
     diff_r3 = float(np.mean([m["train/train_rollout_logprob_abs_diff"] for m in with_r3]))
     diff_plain = float(np.mean([m["train/train_rollout_logprob_abs_diff"] for m in without]))
-    agreement = float(np.mean([m["train/routing_agreement"] for m in with_r3]))  # response tokens only
+    agreement = float(np.mean([m["train/routing_agreement_unreplayed"] for m in with_r3]))  # response tokens
     print(f"R3 e2e: logprob abs diff {diff_r3:.5f} with replay, {diff_plain:.5f} without; "
           f"routing agreement bf16 rollout vs fp32 trainer {agreement:.4f}")  # fmt: skip
     # Not asserted here: the two runs train on different samples (sampling and async timing differ), and
