@@ -6,7 +6,6 @@ worker started by hand on another machine only needs `--broker-address` to join.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from vime.config import build_parser, parse_config
