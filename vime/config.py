@@ -151,9 +151,9 @@ def _yaml_value(text: str) -> Any:
     return yaml.safe_load(text)
 
 
-def build_parser(description: str = "vime") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per config field, plus --config."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+def build_parser(prog: str = "vime") -> argparse.ArgumentParser:
+    """An argparse parser for program `prog` with one flag per config field, plus --config."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"{prog}: a vime job process", allow_abbrev=False)
     parser.add_argument("--config", type=Path, help="YAML config file (flags override it)")
     add_config_flags(parser)
     return parser
