@@ -142,12 +142,11 @@ _decoder_cache: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def _decoder_for(types: tuple[type[Message], ...] | None) -> msgspec.msgpack.Decoder[Any]:
-    registry = message_types()
-    key = types or tuple(registry.values())
+    # Receivers that name their types (the broker, the workers) skip the registry walk entirely.
+    key = types or tuple(message_types().values())
     decoder = _decoder_cache.get(key)
     if decoder is None:
-        union_members = key
-        target = union_members[0] if len(union_members) == 1 else _union(union_members)
+        target = key[0] if len(key) == 1 else _union(key)
         decoder = msgspec.msgpack.Decoder(tuple[int, target], dec_hook=_dec_hook)  # type: ignore[valid-type]
         _decoder_cache[key] = decoder
     return decoder
@@ -197,19 +196,24 @@ def decode(
     total = sum(_frame_buffer(f).nbytes for f in frames)
     if total > max_total_bytes:
         raise ProtocolError(ERROR_OVERSIZED, f"message of {total} bytes, limit {max_total_bytes}")
-    _check_envelope(header)
     token = _frames_in.set(frames)
     try:
-        _, msg = _decoder_for(expect).decode(header)
+        version, msg = _decoder_for(expect).decode(header)
     except msgspec.ValidationError as exc:
+        # Only on failure is the header read a second time, generically, so a wrong version or an
+        # unknown type is reported as such rather than as whatever field error the typed decode hit.
+        _check_envelope(header)
         text = str(exc)
         if "Invalid value" in text and "`$[1].type`" in text:
             raise ProtocolError(ERROR_UNKNOWN_TYPE, text) from None
         raise ProtocolError(ERROR_INVALID, text) from None
     except msgspec.DecodeError as exc:
+        _check_envelope(header)
         raise ProtocolError(ERROR_MALFORMED, str(exc)) from None
     finally:
         _frames_in.reset(token)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ERROR_BAD_VERSION, f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
     msg.validate()
     return msg  # type: ignore[no-any-return]
 
