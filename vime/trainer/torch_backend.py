@@ -59,6 +59,7 @@ from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
+from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 
 log = get_logger(__name__)
 
@@ -156,6 +157,7 @@ class TorchTrainer:
         if cfg.use_fsdp and not self.distributed:
             log.warning("fsdp_without_process_group", note="torch.distributed not initialised; training unsharded")
         torch.manual_seed(cfg.seed)
+        self.objective = ObjectiveConfig.from_trainer_config(cfg)
 
         self.checkpoint_dtype = AutoConfig.from_pretrained(cfg.hf_checkpoint).dtype or torch.float32
         if isinstance(self.checkpoint_dtype, str):
@@ -443,9 +445,7 @@ class TorchTrainer:
         denom = float(self._all_reduce(torch.tensor([denom], dtype=torch.float64))[0]) if self.distributed else denom
         # DDP and FSDP2 average gradients over ranks; multiplying by world_size turns that into a sum
         scale = self.world_size / max(denom, 1.0)
-        names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss"]
-        if cfg.use_tis:
-            names += ["tis", "tis_clipfrac", "ois"]
+        names = self.objective.metric_names
         sums = torch.zeros(len(names), dtype=torch.float64)
 
         mbs = self._synced_micro_batches(shard)
@@ -455,41 +455,18 @@ class TorchTrainer:
                     (self._dummy_logits(self.policy).sum() * 0.0).backward()
                     continue
                 mb = mb.to(self.device)
+                token_index = mb.token_index.cpu()
                 # The replay stays on through backward: with activation checkpointing the routers run again
                 # in the recompute and must pick the same experts as in the forward.
                 with self._routing_replay(self.policy, mb) if replay else contextlib.nullcontext():
                     logits = self._logits(self.policy, mb, counts=counts)
-                    lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
-                    token_index = mb.token_index.cpu()
+                    old = None if fill_old else old_lp[token_index].to(self.device)
+                    ref = ref_lp[token_index].to(self.device) if ref_lp is not None else None
+                    loss, mb_sums, lp = micro_batch_objective(logits, mb, old, ref, self.objective)
                     if fill_old:
                         old_lp[token_index] = lp.detach().cpu()
-                    old = old_lp[token_index].to(self.device)
-
-                    def reduce(x: Tensor) -> Tensor:
-                        return losses.masked_sum(x, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
-
-                    terms = losses.policy_loss(lp, old, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
-                    pg = terms.pg_loss
-                    extra: dict[str, Tensor] = {}
-                    if cfg.use_tis:
-                        tis = losses.tis_weights(old, mb.rollout_logprobs, cfg.tis_clip, cfg.tis_clip_low)
-                        pg = pg * tis.weights
-                        ois = torch.exp(-terms.ppo_kl.detach())  # current / old policy ratio
-                        extra = {"tis": reduce(tis.ratio), "tis_clipfrac": reduce(tis.clipped), "ois": reduce(ois)}
-                    pg_loss = reduce(pg)
-                    with torch.set_grad_enabled(cfg.entropy_coef != 0.0):
-                        entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))
-                    loss = pg_loss - cfg.entropy_coef * entropy
-                    kl_loss = torch.zeros((), device=self.device)
-                    if ref_lp is not None:
-                        kl_loss = reduce(losses.kl_penalty(lp, ref_lp[token_index].to(self.device), cfg.kl_loss_type))
-                        loss = loss + cfg.kl_loss_coef * kl_loss
                     (loss * scale).backward()
-                values = {
-                    "loss": loss, "pg_loss": pg_loss, "pg_clipfrac": reduce(terms.pg_clipfrac),
-                    "ppo_kl": reduce(terms.ppo_kl.detach()), "entropy_loss": entropy, "kl_loss": kl_loss, **extra,
-                }  # fmt: skip
-                sums += torch.stack([values[n].detach().double().cpu() for n in names])
+                sums += mb_sums
 
         grad_norm = self._clip_grads()
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses, before the schedule moves
