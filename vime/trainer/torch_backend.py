@@ -45,11 +45,9 @@ import json
 import math
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -58,7 +56,8 @@ from vime.logging import get_logger
 from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
 from vime.trainer import losses
-from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
+from vime.trainer.base import PolicyTrainer
+from vime.trainer.batch import MicroBatch, RolloutBatch
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 
 log = get_logger(__name__)
@@ -134,7 +133,7 @@ class _ResponseLogits(nn.Module):
         return self.hf.get_output_embeddings()(hidden)
 
 
-class TorchTrainer:
+class TorchTrainer(PolicyTrainer):
     """Policy (and optional frozen reference) on this rank, with its optimizer. See module docstring.
 
     Construct after `torch.distributed.init_process_group` on every rank (or without it for one rank).
@@ -279,26 +278,14 @@ class TorchTrainer:
                 counts += self._routing_counts(mb, recorder.expert_ids())
         return logits
 
-    def _replay(self, batch: RolloutBatch) -> bool:
-        return self.cfg.use_rollout_routing_replay and batch.routed_experts is not None
-
-    def check_routes(self, batch: RolloutBatch) -> None:
-        """Raise ValueError when `batch`'s routing traces do not fit this model's MoE routers (layer count,
-        top-k, expert ids). A batch without traces always passes."""
-        if batch.routed_experts is None:
-            return
+    def _moe_shape(self) -> tuple[int, int, int] | None:
         routers = self._routers[id(self.module)]
         if not routers:
-            raise ValueError(f"batch carries routing traces but {type(self.hf_model).__name__} has no MoE routers")
-        layers, top_k = tuple(batch.routed_experts.shape[1:])
-        experts, k = int(routers[0][1].num_experts), int(routers[0][1].top_k)
-        if (layers, top_k) != (len(routers), k):
-            raise ValueError(f"routing traces are [tokens - 1, {layers}, {top_k}] but the model has {len(routers)} "
-                             f"MoE layers with top_k {k}: expected [tokens - 1, {len(routers)}, {k}]")
-        if batch.routed_experts.numel():
-            hi = int(batch.routed_experts.max())
-            if hi >= experts:
-                raise ValueError(f"routing traces hold expert id {hi}, the model has {experts} experts")
+            return None
+        return len(routers), int(routers[0][1].top_k), int(routers[0][1].num_experts)
+
+    def _model_name(self) -> str:
+        return type(self.hf_model).__name__
 
     def _routing_counts(self, mb: MicroBatch, ids: Tensor) -> Tensor:
         """[matches, routes] of the recorded routing `ids` [B, T, L, k] vs the rollout's, at logit rows."""
@@ -334,99 +321,6 @@ class TorchTrainer:
             lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
             out[mb.token_index.cpu()] = lp.cpu()
         return out, counts
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
-        """Current policy's logprob of every response token, one float32 array per sample, every rank.
-
-        Collective: every rank must call it with the same batch. Work is split across ranks. With
-        `use_rollout_routing_replay` and a batch with routing traces, the forward replays them.
-        """
-        self.check_routes(batch)
-        idx = batch.shard_indices(self.world_size)[self.rank]
-        shard = batch.select(idx)
-        flat = torch.zeros(batch.rollout_logprobs.numel(), dtype=torch.float32)
-        positions = _ranges(batch.resp_offsets[torch.tensor(idx, dtype=torch.int64)], shard.response_lengths)
-        flat[positions] = self._shard_logprobs(shard, self.module, replay=self._replay(batch))[0]
-        if self.distributed:
-            flat = self._all_reduce(flat)
-        return batch.split_responses(flat)
-
-    # ------------------------------------------------------------------------------- training
-
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One rollout step (possibly several optimizer steps).
-
-        Returns slime-named metrics, equal on all ranks, averaged over the optimizer steps. Collective:
-        every rank calls it with the same (broadcast) batch. Raises ValueError on an empty batch. An
-        optimizer step whose gradient norm is not finite is skipped (and logged). A batch with routing
-        traces adds `train/routing_agreement` and `train/routing_agreement_unreplayed` (see module
-        docstring; NaN if no response token) and raises
-        ValueError when its traces do not fit the model (`check_routes`).
-        """
-        cfg = self.cfg
-        if batch.num_samples == 0:
-            raise ValueError("train_step got an empty batch")
-        self.check_routes(batch)
-        replay, record = self._replay(batch), batch.routed_experts is not None
-        start = time.perf_counter()
-        advantages = losses.grpo_advantages(
-            batch.rewards, batch.group_ids, normalize_std=not cfg.disable_grpo_std_normalization
-        )
-        batch = batch.select(range(batch.num_samples))  # a copy: the caller's batch stays untouched
-        batch.advantages = losses.broadcast_to_tokens(advantages, batch.response_lengths)
-
-        if cfg.num_steps_per_rollout is not None:
-            step_size = math.ceil(batch.num_samples / cfg.num_steps_per_rollout)
-        else:
-            step_size = cfg.global_batch_size or batch.num_samples
-        shards = [chunk.shard(self.rank, self.world_size) for chunk in batch.chunks(step_size)]
-
-        # Old-policy logprobs must be taken before the first update. With one update they equal the
-        # training forward's own (detached) logprobs, so that forward fills them in instead.
-        recompute_old = len(shards) > 1
-        old: list[Tensor | None] = [None] * len(shards)
-        used_counts = torch.zeros(2, dtype=torch.float64)  # routes of the old-logprob forward
-        free_counts = torch.zeros(2, dtype=torch.float64)  # routes of an unreplayed forward
-        for k, s in enumerate(shards):
-            if recompute_old:
-                old[k], c = self._shard_logprobs(s, self.module, replay=replay, record=record)
-                used_counts += c
-            if record and replay:  # the unreplayed figure needs its own no-grad pass
-                free_counts += self._shard_logprobs(s, self.module, record=True)[1]
-        ref = [
-            self._shard_logprobs(s, self.ref_module, replay=replay)[0] if self.ref_module is not None else None
-            for s in shards
-        ]
-
-        step_metrics = []
-        for k, shard in enumerate(shards):
-            if old[k] is None:
-                old[k] = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
-            # with one update the training forward is the old-logprob forward: record its routes there
-            counts = used_counts if record and not recompute_old else None
-            step_metrics.append(
-                self._optimizer_step(shard, old[k], ref[k], fill_old=not recompute_old, replay=replay, counts=counts)
-            )
-
-        metrics = {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
-        metrics["train/train_rollout_logprob_abs_diff"] = self._abs_diff(shards, old)
-        if record:
-            if not replay:  # unreplayed: the routes used are the trainer's own
-                free_counts = used_counts
-            both = torch.cat([used_counts, free_counts])
-            if self.distributed:
-                both = self._all_reduce(both)
-            (m_used, r_used, m_free, r_free) = both.tolist()
-            metrics["train/routing_agreement"] = m_used / r_used if r_used > 0 else float("nan")
-            metrics["train/routing_agreement_unreplayed"] = m_free / r_free if r_free > 0 else float("nan")
-        if self.rank == 0:
-            log.info(
-                "train_step", optimizer_step=self.optimizer_steps, samples=batch.num_samples,
-                seconds=round(time.perf_counter() - start, 3),
-                **{k.split("/")[-1]: round(v, 6) for k, v in metrics.items()},
-            )  # fmt: skip
-        return metrics
 
     def _optimizer_step(
         self,
@@ -502,18 +396,6 @@ class TorchTrainer:
             norm = norm.full_tensor()
         return float(norm)
 
-    def _abs_diff(self, shards: list[RolloutBatch], old: list[Tensor]) -> float:
-        """Global mean over samples of each sample's masked mean |old_logp - rollout_logp|."""
-        total = torch.zeros(2, dtype=torch.float64)
-        for shard, lp in zip(shards, old):
-            ids = shard.response_token_sample_ids()
-            means = losses.per_sample_mean((lp - shard.rollout_logprobs).abs(), shard.loss_mask, ids, shard.num_samples)
-            has_tokens = torch.zeros(shard.num_samples).index_add(0, ids, shard.loss_mask) > 0
-            total += torch.tensor([means[has_tokens].sum().item(), float(has_tokens.sum())], dtype=torch.float64)
-        if self.distributed:
-            total = self._all_reduce(total)
-        return float(total[0] / total[1]) if total[1] > 0 else 0.0
-
     # -------------------------------------------------------------------------------- weights
 
     def _full_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
@@ -571,17 +453,6 @@ class TorchTrainer:
             log.info("saved_hf_checkpoint", path=path, dtype=str(dtype), tensors=len(state))
         if self.distributed:
             dist.barrier(device_ids=[self.device.index] if dist.get_backend() == "nccl" else None)
-
-    # ---------------------------------------------------------------------------------- comms
-
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def _all_reduce(self, t: Tensor) -> Tensor:
-        t = t.to(self._comm_device())
-        dist.all_reduce(t)
-        return t.cpu()
-
 
 # ---------------------------------------------------------------------------------------- helpers
 
