@@ -17,11 +17,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the problem."""
+
+
+if TYPE_CHECKING:
+    from vime.trainer.megatron.parallel import MegatronParallelConfig
 
 
 class VimeConfig(BaseModel):
@@ -65,8 +71,30 @@ class VimeConfig(BaseModel):
     )
 
     # --- reward ----------------------------------------------------------------------------------
-    rm_type: str = Field("arithmetic", description="math | gsm8k | dapo | boxed_math | arithmetic | custom")
+    rm_type: str = Field(
+        "arithmetic", description="math | gsm8k | dapo | boxed_math | arithmetic | custom | remote_rm"
+    )
     custom_rm_path: str | None = Field(None, description="path/to/file.py:fn or package.module:fn")
+    # Remote reward servers (--rm-type remote_rm); formats and failure outcomes: docs/reward-servers.md.
+    # A bearer token, if the servers want one, comes from the VIME_RM_TOKEN environment variable so it
+    # never lands in RUN_DIR/config.yaml.
+    rm_url: list[str] = Field(
+        default_factory=list, description="reward server URL(s) for remote_rm; comma-separated URLs share the load"
+    )
+    rm_format: Literal["slime", "openrlhf", "vime"] = Field(
+        "slime", description="remote_rm wire format: slime (one POST per sample) | openrlhf | vime (batched)"
+    )
+    reward_key: str | None = Field(
+        None, description="field of a dict reward that is the reward (openrlhf: the reply's list; default rewards)"
+    )
+    rm_timeout_s: float = Field(120.0, gt=0.0, description="remote_rm: timeout of one HTTP request")
+    rm_retries: int = Field(3, ge=0, description="remote_rm: retries of a failed request (exponential backoff + jitter)")
+    rm_concurrency: int = Field(64, ge=1, description="remote_rm: HTTP requests in flight per reward worker")
+    rm_batch_size: int = Field(64, ge=1, description="remote_rm: samples per request (openrlhf and vime formats)")
+    rm_breaker_failures: int = Field(
+        5, ge=1, description="remote_rm: consecutive failed requests that open a server's circuit"
+    )
+    rm_breaker_reset_s: float = Field(30.0, gt=0.0, description="remote_rm: seconds an open circuit waits before a trial request")
     num_reward_workers: int = Field(1, ge=1)
     reward_concurrency: int = Field(16, ge=1, description="groups a reward worker scores at once")
 
@@ -75,7 +103,20 @@ class VimeConfig(BaseModel):
     update_weights_interval: int = Field(1, ge=1, description="publish weights every N training steps")
 
     # --- training --------------------------------------------------------------------------------
-    train_backend: Literal["torch"] = Field("torch")
+    train_backend: Literal["torch", "megatron"] = Field(
+        "torch", description="torch: HF model with DDP/FSDP2; megatron: Megatron-core (GPU, Python >= 3.12)"
+    )
+    # Megatron layout (Megatron-LM's flag names); data parallel = trainer_world_size / (TP * PP * CP)
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1, description="needs TransformerEngine's attention")
+    expert_model_parallel_size: int = Field(1, ge=1)
+    expert_tensor_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = Field(False, description="Megatron: split norms/dropout activations over TP ranks")
+    use_distributed_optimizer: bool = Field(True, description="Megatron: shard optimizer state over DP ranks")
+    recompute_granularity: Literal["full", "selective"] | None = Field(None, description="Megatron activation recompute")
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = Field(None, ge=1)
     trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel)")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step (default: all)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on one rank")
@@ -100,8 +141,52 @@ class VimeConfig(BaseModel):
     broker_address: str = Field("tcp://127.0.0.1:5555", description="where workers reach the broker")
     broker_bind: str | None = Field(None, description="what the broker binds (default: broker_address)")
     weight_bind: str = Field("tcp://127.0.0.1:*", description="trainer rank 0's weight-channel bind address")
+    weight_advertise_host: str | None = Field(
+        None, description="host/IP rollout workers connect to for the weight channel (default: the bound "
+        "address; this machine's host name when weight_bind is a wildcard such as tcp://*:*)",
+    )  # fmt: skip
     heartbeat_interval_s: float = Field(2.0, gt=0.0)
     worker_timeout_s: float = Field(60.0, gt=0.0, description="silence after which a worker's work is re-leased")
+
+    @field_validator("rm_url", mode="before")
+    @classmethod
+    def _split_rm_urls(cls, value: Any) -> Any:
+        """`--rm-url a,b` and YAML `rm_url: a` give lists; each URL must be http(s) with a host."""
+        if value is None:
+            return []
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return items  # pydantic names the type error
+        urls = [str(u).strip() for u in items if str(u).strip()]
+        for url in urls:
+            scheme, sep, rest = url.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest.split("/")[0]:
+                raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH")
+        return urls
+
+    def megatron_parallel(self) -> "MegatronParallelConfig":
+        """The Megatron layout these flags describe (checked by `_check_megatron_layout`)."""
+        from vime.trainer.megatron.parallel import MegatronParallelConfig
+
+        return MegatronParallelConfig(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
+            recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
+        )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check_megatron_layout(self) -> VimeConfig:
+        if self.train_backend == "megatron":
+            import importlib.util
+
+            te = importlib.util.find_spec("transformer_engine") is not None
+            self.megatron_parallel().validate(self.trainer_world_size, have_transformer_engine=te)
+        return self
 
     @model_validator(mode="after")
     def _check_batch_shape(self) -> VimeConfig:
@@ -113,6 +198,8 @@ class VimeConfig(BaseModel):
             )
         if self.rm_type == "custom" and not self.custom_rm_path:
             raise ValueError("rm_type 'custom' needs custom_rm_path")
+        if self.rm_type == "remote_rm" and not self.rm_url and not self.custom_rm_path:
+            raise ValueError("rm_type 'remote_rm' needs rm_url (--rm-url http://HOST:PORT/PATH[,URL...])")
         return self
 
     @property

@@ -29,7 +29,9 @@ from vime.broker.client import BrokerClient, BrokerGone
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.protocol.messages import Ack, BatchRequest, Group, Heartbeat, HeartbeatAck, Shutdown, StepDone, TrainBatch, WeightsPublished
+from vime.slurm.network import advertised_endpoint
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
+from vime.trainer.base import PolicyTrainer
 from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
 from vime.weights.publisher import WeightPublisher
 
@@ -45,21 +47,40 @@ class DistInfo:
     local_rank: int
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(megatron: bool = False) -> DistInfo:
     """Join the process group described by torchrun/SLURM-style env vars (no-op for one rank)."""
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    if world_size > 1 and not dist.is_initialized():
+    if (world_size > 1 or megatron) and not dist.is_initialized():  # Megatron needs process groups even alone
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
+        if world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     return DistInfo(rank, world_size, local_rank)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def trainer_config(cfg: VimeConfig) -> TorchTrainerConfig:
-    return TorchTrainerConfig(
+    """The backend config: TorchTrainerConfig, or MegatronTrainerConfig (the same fields plus the layout)."""
+    kwargs: dict[str, Any] = {}
+    config_type: type[TorchTrainerConfig] = TorchTrainerConfig
+    if cfg.train_backend == "megatron":
+        from vime.trainer.megatron.backend import MegatronTrainerConfig
+
+        config_type, kwargs = MegatronTrainerConfig, {"parallel": cfg.megatron_parallel()}
+    return config_type(
+        **kwargs,
         hf_checkpoint=str(cfg.hf_checkpoint),
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
@@ -81,6 +102,19 @@ def trainer_config(cfg: VimeConfig) -> TorchTrainerConfig:
         rollout_temperature=cfg.rollout_temperature,
         use_rollout_routing_replay=cfg.use_rollout_routing_replay,
     )
+
+
+def build_trainer(cfg: VimeConfig) -> PolicyTrainer:
+    """The `--train-backend` trainer. Megatron imports megatron-core here and needs CUDA; without them
+    the error says so (the torch backend needs neither)."""
+    if cfg.train_backend == "torch":
+        return TorchTrainer(trainer_config(cfg))
+    try:
+        from vime.trainer.megatron.backend import MegatronTrainer
+    except ImportError as exc:
+        raise RuntimeError(f"--train-backend megatron needs megatron-core (pip install 'vime[megatron]', Python "
+                           f">= 3.12): {exc}") from exc
+    return MegatronTrainer(trainer_config(cfg))  # type: ignore[arg-type]
 
 
 def groups_to_batch(groups: list[Group]) -> RolloutBatch:
@@ -132,7 +166,7 @@ def _receive_command() -> tuple[int, int]:
     return int(header[0]), int(header[1])
 
 
-def publish_weights(trainer: TorchTrainer, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> tuple[int, float]:
+def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> tuple[int, float]:
     """All ranks export (sharded models gather); rank 0 publishes. Returns (bytes, seconds) on rank 0."""
     started = time.perf_counter()
     tensors = list(trainer.export_weights(dtype=dtype))
@@ -146,7 +180,7 @@ def checkpoint_path(cfg: VimeConfig, step: int) -> Path:
     return cfg.checkpoint_dir / f"step_{step + 1}"
 
 
-def follower_loop(trainer: TorchTrainer, cfg: VimeConfig, dtype: torch.dtype) -> int:
+def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -> int:
     """Ranks > 0: do what rank 0's commands say until told to stop (collectives need every rank)."""
     while True:
         cmd, step = _receive_command()
@@ -164,7 +198,7 @@ def follower_loop(trainer: TorchTrainer, cfg: VimeConfig, dtype: torch.dtype) ->
 class LeaderLoop:
     """Rank 0: broker conversation, metrics, publication, checkpoints."""
 
-    def __init__(self, cfg: VimeConfig, trainer: TorchTrainer, client: BrokerClient, publisher: WeightPublisher, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: VimeConfig, trainer: PolicyTrainer, client: BrokerClient, publisher: WeightPublisher, dtype: torch.dtype) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.client = client
@@ -231,7 +265,9 @@ class LeaderLoop:
 
     async def _publish(self, step: int) -> None:
         nbytes, seconds = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
-        await self.client.send(WeightsPublished(version=self.version, endpoint=self.publisher.endpoint, step=step, nbytes=nbytes, seconds=seconds))
+        # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
+        endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
+        await self.client.send(WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds))
         log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4))
 
     def _write_metrics(self, step: int, metrics: dict[str, Any]) -> None:
@@ -250,10 +286,10 @@ class LeaderLoop:
 
 
 def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
-    info = init_distributed()
+    info = init_distributed(megatron=cfg.train_backend == "megatron")
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, str(cfg.vllm.get("dtype", "bfloat16")))
-    trainer = TorchTrainer(trainer_config(cfg))
+    trainer = build_trainer(cfg)
     try:
         if info.rank != 0:
             return follower_loop(trainer, cfg, dtype)

@@ -16,8 +16,9 @@ model-specific parts:
 from __future__ import annotations
 
 import math
+import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -60,6 +61,13 @@ class PolicyTrainer:
         self, shard: RolloutBatch, old_lp: Tensor, ref_lp: Tensor | None, fill_old: bool,
         replay: bool = False, counts: Tensor | None = None,
     ) -> dict[str, float]:  # fmt: skip
+        raise NotImplementedError
+
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
+        """(HF checkpoint name, CPU tensor) on global rank 0; every rank iterates (collectives)."""
+        raise NotImplementedError
+
+    def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         raise NotImplementedError
 
     def _dp_group(self) -> Any:
