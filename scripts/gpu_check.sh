@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Megatron backend's whole GPU check, in one call on a GPU machine without a package index.
 # From the repo root, with the wheels in .whl/ (megatron-core 0.19.2 for Python 3.12, and vime's pure
-# dependencies the GPU image lacks: docs/megatron.md lists them). VIME_GPU_CHECKS=0 / VIME_GPU_E2E=0 skip parts.
+# dependencies the GPU image lacks: docs/megatron.md lists them). VIME_GPU_CHECKS=0 / VIME_GPU_E2E=0 /
+# VIME_GPU_PARALLEL=0 skip parts; the parallel-layout check needs 2+ GPUs.
 #   bash scripts/gpu_check.sh            # writes $OUT/megatron_check.jsonl when OUT is set
 # Fetch the wheels on a machine with pip: see docs/megatron.md ("GPU check").
 set -euo pipefail
@@ -17,6 +18,11 @@ status=0
 if [ "${VIME_GPU_CHECKS:-1}" = 1 ]; then
 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_megatron_mapping.py tests/test_megatron_backend.py 2>&1 | tee "$out/pytest.log" || status=1
 python3 -m vime.bench.megatron_check --out "$out/megatron_check.jsonl" --profile-dir "$out" "$@" || status=1
+fi
+# Parallel layouts (TP, TP+SP, PP, EP) against plain data parallel, one process per GPU.
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "${VIME_GPU_PARALLEL:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
+  OUT="$out" torchrun --standalone --nproc_per_node 2 -m vime.bench.megatron_parallel_check || status=1
 fi
 # The whole pipeline (broker, transformers rollout worker, reward worker) with the Megatron trainer: the CPU
 # demo's GRPO task, 60 steps (needs pyzmq, msgspec, pydantic wheels too; skipped with VIME_GPU_E2E=0).

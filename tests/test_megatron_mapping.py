@@ -120,7 +120,9 @@ def test_unknown_architecture_and_unknown_name_are_named():
     ("kwargs", "world", "message"),
     [
         (dict(tensor_model_parallel_size=3), 8, "not divisible"),
-        (dict(sequence_parallel=True), 8, "sequence_parallel needs"),
+        (dict(sequence_parallel=True), 8, "sequence_parallel needs tensor"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), 8, "TransformerEngine's \\(or Apex's\\) norms"),
+        (dict(tensor_model_parallel_size=2), 8, "MoE with tensor_model_parallel_size"),
         (dict(context_parallel_size=2), 8, "TransformerEngine"),
         (dict(pipeline_model_parallel_size=4), 4, "layers do not split"),
         (dict(expert_model_parallel_size=3), 3, "experts do not split"),
@@ -133,17 +135,22 @@ def test_parallel_layout_errors_name_the_problem(kwargs, world, message):
 
 
 def test_parallel_layout_accepts_a_seed_recipe_layout():
-    # Qwen3-30B-A3B on 8 GPUs: TP 2, EP 8 (48 layers, 128 experts)
-    cfg = MegatronParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=8, sequence_parallel=True)
+    # Qwen3-30B-A3B on 8 GPUs: EP 8 (48 layers, 128 experts); Qwen3-4B dense: TP 2 x DP 4
+    cfg = MegatronParallelConfig(expert_model_parallel_size=8, recompute_granularity="full", recompute_method="uniform")
     cfg.validate(8, num_layers=48, num_experts=128)
     assert cfg.transformer_kwargs()["expert_model_parallel_size"] == 8
+    MegatronParallelConfig(tensor_model_parallel_size=2).validate(8, num_layers=36, num_experts=0)
+    # with TransformerEngine present, TP + sequence parallel is allowed for MoE
+    MegatronParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True).validate(
+        8, num_layers=48, num_experts=128, have_transformer_engine=True
+    )
 
 
 def test_megatron_flags_are_checked_when_the_config_loads():
     from vime.config import ConfigError, load_config
 
     cfg = load_config(None, {"train_backend": "megatron", "trainer_world_size": 8, "tensor_model_parallel_size": 2,
-                             "expert_model_parallel_size": 4, "sequence_parallel": True})  # fmt: skip
+                             "expert_model_parallel_size": 4})  # fmt: skip
     assert cfg.megatron_parallel().tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="not divisible by TP"):
         load_config(None, {"train_backend": "megatron", "trainer_world_size": 4, "tensor_model_parallel_size": 3})

@@ -47,6 +47,14 @@ class MegatronParallelConfig:
                              f"{self.expert_tensor_parallel_size} must divide DP*CP*TP = {dp * cp * tp}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.sequence_parallel and not have_transformer_engine:
+            # seen on the GPU machine: Megatron's torch-norm fallback asserts "sequence parallel not
+            # supported by torch LayerNorm"
+            raise ValueError("sequence_parallel needs TransformerEngine's (or Apex's) norms, which are not "
+                             "installed; Megatron's torch norm fallback does not support it")
+        if num_experts and tp > 1 and not self.sequence_parallel:
+            raise ValueError("MoE with tensor_model_parallel_size > 1 needs sequence_parallel (Megatron refuses "
+                             "the combination in training); use expert_model_parallel_size instead of TP")
         if cp > 1 and not have_transformer_engine:
             raise ValueError("context_parallel_size > 1 needs TransformerEngine's attention (ring exchange of "
                              "key/value chunks), which is not installed; vime's SDPA attention is single-rank")
