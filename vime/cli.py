@@ -69,6 +69,12 @@ def _cmd_make_demo_model(argv: list[str]) -> int:
     return int(factory_main(argv) or 0)
 
 
+def _cmd_slurm(argv: list[str]) -> int:
+    from vime.slurm.command import main as slurm_main
+
+    return slurm_main(argv)
+
+
 def _cmd_bench(argv: list[str]) -> int:
     benches = {"r3": "vime.bench.r3"}
     if not argv or argv[0] not in benches:
@@ -81,7 +87,7 @@ def _cmd_bench(argv: list[str]) -> int:
 
 COMMANDS = {
     "run": _cmd_run, "status": _cmd_status, "report": _cmd_report, "make-demo-model": _cmd_make_demo_model,
-    "bench": _cmd_bench,
+    "bench": _cmd_bench, "slurm": _cmd_slurm,
 }  # fmt: skip
 
 

@@ -10,7 +10,9 @@ instead of hanging forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import time
 import uuid
@@ -105,21 +107,45 @@ class BrokerClient:
 
         Returns its exit code; a silent broker (`BrokerGone`) is exit code 1. Any other failure says
         Bye first, so the broker re-dispatches this worker's leases at once, then propagates.
+        SIGTERM (scancel, `kill`, a launcher's teardown) means "leave the job": the session is
+        cancelled, Bye gives the leases back, and the exit code is 0, since workers may leave a
+        running job at any time. (Only where asyncio can take signals: the main thread.)
         """
+        task = asyncio.ensure_future(session)
+        leaving = _leave_on_sigterm(task)
         try:
-            return await session
+            return await task
         except BrokerGone as exc:
             log.error("broker_gone", error=str(exc))
             return 1
         except BaseException as exc:
+            if leaving.is_set() and isinstance(exc, asyncio.CancelledError):
+                log.info("worker_leaving", reason="SIGTERM")
+                await self.bye("SIGTERM: leaving the job")
+                return 0
             await self.bye(f"worker failed: {exc!r}")
             raise
         finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
             self.close()
 
     def close(self) -> None:
         self.socket.close(linger=500)
         self.context.term()
+
+
+def _leave_on_sigterm(task: asyncio.Future[int]) -> asyncio.Event:
+    """Cancel `task` on SIGTERM; the returned event tells a requested leave from other cancellations."""
+    leaving = asyncio.Event()
+
+    def on_sigterm() -> None:
+        leaving.set()
+        task.cancel()
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    return leaving
 
 
 def query_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
