@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vime.logging import get_logger
-from vime.trainer import losses
+from vime.trainer import estimators, losses
 from vime.trainer.batch import RolloutBatch, _ranges
 
 log = get_logger(__name__)
@@ -68,6 +68,27 @@ class PolicyTrainer:
         raise NotImplementedError
 
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        raise NotImplementedError
+
+    def _advantages(self, batch: RolloutBatch) -> Tensor:
+        """Per-token advantages of the whole batch for the critic-free estimators."""
+        cfg = self.cfg
+        lengths = batch.response_lengths
+        if cfg.advantage_estimator == "reinforce_plus_plus":
+            return estimators.reinforce_plus_plus(batch.rewards, lengths, batch.loss_mask, gamma=cfg.gamma)
+        if cfg.advantage_estimator == "reinforce_plus_plus_baseline":
+            return estimators.reinforce_plus_plus_baseline(batch.rewards, batch.group_ids, lengths, batch.loss_mask)
+        # grpo, and gspo (GRPO's group advantages with sequence-level ratios in the loss)
+        per_sample = losses.grpo_advantages(
+            batch.rewards, batch.group_ids, normalize_std=not cfg.disable_grpo_std_normalization
+        )
+        return losses.broadcast_to_tokens(per_sample, lengths)
+
+    def _ppo_advantages(self, batch: RolloutBatch) -> tuple[Tensor, Any]:
+        """(per-token GAE advantages, whatever the critic update needs); backends with a critic override."""
+        raise ValueError(f"advantage_estimator 'ppo' needs a critic, which the {type(self).__name__} backend lacks")
+
+    def _critic_update(self, batch: RolloutBatch, shards: list[RolloutBatch], targets: Any) -> dict[str, float]:
         raise NotImplementedError
 
     def _dp_group(self) -> Any:
@@ -130,11 +151,14 @@ class PolicyTrainer:
         self.check_routes(batch)
         replay, record = self._replay(batch), batch.routed_experts is not None
         start = time.perf_counter()
-        advantages = losses.grpo_advantages(
-            batch.rewards, batch.group_ids, normalize_std=not cfg.disable_grpo_std_normalization
-        )
         batch = batch.select(range(batch.num_samples))  # a copy: the caller's batch stays untouched
-        batch.advantages = losses.broadcast_to_tokens(advantages, batch.response_lengths)
+        critic_targets = None
+        if cfg.advantage_estimator == "ppo":
+            batch.advantages, critic_targets = self._ppo_advantages(batch)
+        else:
+            batch.advantages = self._advantages(batch)
+        if cfg.normalize_advantages:
+            batch.advantages = estimators.whiten(batch.advantages, batch.loss_mask)
 
         if cfg.num_steps_per_rollout is not None:
             step_size = math.ceil(batch.num_samples / cfg.num_steps_per_rollout)
@@ -170,6 +194,8 @@ class PolicyTrainer:
             )
 
         metrics = {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
+        if critic_targets is not None:
+            metrics.update(self._critic_update(batch, shards, critic_targets))
         metrics["train/train_rollout_logprob_abs_diff"] = self._abs_diff(shards, old)
         if record:
             if not replay:  # unreplayed: the routes used are the trainer's own

@@ -114,6 +114,51 @@ def policy_loss(
     return PolicyLossTerms(pg_loss=pg_loss, pg_clipfrac=clipfrac, ppo_kl=ppo_kl)
 
 
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    token_sample: Tensor,
+    num_samples: int,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> PolicyLossTerms:
+    """GSPO (sequence-level PPO-clip): the ratio is the sample's geometric-mean token ratio
+    s_i = exp(mean_t (logp - old)) over its loss-masked tokens, clipped per sequence.
+
+    Per token, r_t = sg(s_i) * exp(logp_t - sg(logp_t)): its value is s_i on every token of the sample
+    and its gradient is s_i * d logp_t, GSPO-token's form, so the usual per-sample mean aggregation gives
+    the sequence objective. `ppo_kl` is the per-token old - logp as for PPO. Clip ranges are much smaller
+    than PPO's (the paper uses 3e-4 / 4e-4).
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    m = mask.to(logprobs.dtype)
+    delta = (logprobs - old_logprobs) * m
+    count = logprobs.new_zeros(num_samples).index_add(0, token_sample, m).clamp(min=1.0)
+    seq_log_ratio = logprobs.new_zeros(num_samples).index_add(0, token_sample, delta) / count
+    s = seq_log_ratio.exp()[token_sample]
+    ratio = s.detach() * torch.exp(logprobs - logprobs.detach())
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
+    return PolicyLossTerms(
+        pg_loss=torch.maximum(unclipped, clipped), pg_clipfrac=(clipped > unclipped).float(),
+        ppo_kl=(old_logprobs - logprobs),
+    )  # fmt: skip
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None) -> tuple[Tensor, Tensor]:
+    """PPO critic loss per token, 0.5 * max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2), and the
+    fraction where the clipped term was the larger (`value_clipfrac`). `value_clip=None`: unclipped."""
+    unclipped = (values - returns).square()
+    if value_clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    clipped = (clipped_values - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_loss_type: str) -> Tensor:
     """Per-token KL estimate between the policy and the reference (slime `compute_approx_kl`).
 

@@ -17,17 +17,26 @@ from torch import Tensor
 
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch
+from vime.trainer.corrections import CorrectionConfig, off_policy_weights
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """The loss settings (slime flag names); both backends' configs carry these fields."""
 
+    advantage_estimator: str = "grpo"  # gspo switches the policy loss to sequence-level ratios
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     use_tis: bool = False
+    tis_level: str = "token"
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    use_mis: bool = False
+    mis_level: str = "token"
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    use_decoupled_ppo: bool = False
+    behav_imp_weight_cap: float = 5.0
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -40,10 +49,14 @@ class ObjectiveConfig:
         return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
 
     @property
+    def corrections(self) -> CorrectionConfig:
+        return CorrectionConfig(**{name: getattr(self, name) for name in CorrectionConfig.__dataclass_fields__})
+
+    @property
     def metric_names(self) -> list[str]:
         """Names (without the `train/` prefix) of the sums `micro_batch_objective` returns, in order."""
         names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss"]
-        return names + (["tis", "tis_clipfrac", "ois"] if self.use_tis else [])
+        return names + self.corrections.metric_names + (["ois"] if self.use_tis else [])
 
 
 def micro_batch_objective(
@@ -69,14 +82,18 @@ def micro_batch_objective(
     lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
     if old_logprobs is None:
         old_logprobs = lp.detach()
-    terms = losses.policy_loss(lp, old_logprobs, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
-    pg = terms.pg_loss
-    extra: dict[str, Tensor] = {}
+    if cfg.advantage_estimator == "gspo":
+        terms = losses.gspo_policy_loss(lp, old_logprobs, mb.advantages, mb.loss_mask, mb.token_sample,
+                                        mb.num_samples, cfg.eps_clip, cfg.eps_clip_high)  # fmt: skip
+    else:
+        terms = losses.policy_loss(lp, old_logprobs, mb.advantages, cfg.eps_clip, cfg.eps_clip_high)
+    weights, correction_metrics = off_policy_weights(
+        old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.token_sample, mb.num_samples, cfg.corrections
+    )
+    pg = terms.pg_loss * weights
+    extra: dict[str, Tensor] = {name: reduce(v) for name, v in correction_metrics.items()}
     if cfg.use_tis:
-        tis = losses.tis_weights(old_logprobs, mb.rollout_logprobs, cfg.tis_clip, cfg.tis_clip_low)
-        pg = pg * tis.weights
-        ois = torch.exp(-terms.ppo_kl.detach())  # current / old policy ratio
-        extra = {"tis": reduce(tis.ratio), "tis_clipfrac": reduce(tis.clipped), "ois": reduce(ois)}
+        extra["ois"] = reduce(torch.exp(-terms.ppo_kl.detach()))  # current / old policy ratio
     pg_loss = reduce(pg)
     with torch.set_grad_enabled(cfg.entropy_coef != 0.0 and torch.is_grad_enabled()):
         entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))

@@ -56,8 +56,10 @@ from vime.logging import get_logger
 from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
 from vime.trainer import losses
+from vime.trainer import estimators
 from vime.trainer.base import PolicyTrainer
-from vime.trainer.batch import MicroBatch, RolloutBatch
+from vime.trainer.critic import Critic
+from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 
 log = get_logger(__name__)
@@ -82,9 +84,23 @@ class TorchTrainerConfig:
     kl_loss_type: str = "k1"
     entropy_coef: float = 0.0
     use_tis: bool = False
+    tis_level: str = "token"  # token | sequence (see vime/trainer/corrections.py)
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
-    advantage_estimator: str = "grpo"
+    use_mis: bool = False  # mask tokens (or sequences) whose old/rollout ratio is outside [mis_low, mis_high]
+    mis_level: str = "token"
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    use_decoupled_ppo: bool = False  # AReaL: weight by the behaviour ratio, mask it above the cap
+    behav_imp_weight_cap: float = 5.0
+    advantage_estimator: str = "grpo"  # grpo | gspo | ppo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    normalize_advantages: bool = False  # whiten advantages over the batch's loss-masked tokens
+    gamma: float = 1.0  # discount (REINFORCE++ returns, GAE)
+    lambd: float = 1.0  # GAE lambda
+    # PPO critic: a value head on a copy of the policy's backbone (or critic_hf_checkpoint)
+    critic_hf_checkpoint: str | None = None
+    critic_lr: float = 1e-5
+    value_clip: float | None = 0.2
     disable_grpo_std_normalization: bool = False  # Dr.GRPO
     calculate_per_token_loss: bool = False  # token mean instead of per-sample mean then sample mean
     rollout_temperature: float = 1.0  # the engine sampled from softmax(logits / T); logprobs must match
@@ -102,8 +118,12 @@ class TorchTrainerConfig:
     use_rollout_routing_replay: bool = False
 
     def __post_init__(self) -> None:
-        if self.advantage_estimator != "grpo":
-            raise ValueError(f"advantage_estimator {self.advantage_estimator!r} not supported here (only grpo)")
+        from vime.trainer.corrections import CorrectionConfig
+        from vime.trainer.estimators import ADVANTAGE_ESTIMATORS
+
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator {self.advantage_estimator!r}: expected one of {ADVANTAGE_ESTIMATORS}")
+        CorrectionConfig(tis_level=self.tis_level, mis_level=self.mis_level, mis_low=self.mis_low, mis_high=self.mis_high)
         if self.kl_loss_type not in losses.KL_LOSS_TYPES:
             raise ValueError(f"kl_loss_type must be one of {losses.KL_LOSS_TYPES}, got {self.kl_loss_type!r}")
         if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
@@ -201,6 +221,13 @@ class TorchTrainer(PolicyTrainer):
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self.optimizer_steps = 0
+        self.critic: Critic | None = None
+        if cfg.advantage_estimator == "ppo":
+            self.critic = Critic(
+                cfg.critic_hf_checkpoint or cfg.hf_checkpoint, lr=cfg.critic_lr, weight_decay=cfg.weight_decay,
+                device=self.device, world_size=self.world_size, autocast=self._autocast,
+                attn_implementation=cfg.attn_implementation,
+            )  # fmt: skip
         log.info(
             "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
             device=str(self.device), compute_dtype=str(self.compute_dtype), fsdp=self.use_fsdp,
@@ -286,6 +313,50 @@ class TorchTrainer(PolicyTrainer):
 
     def _model_name(self) -> str:
         return type(self.hf_model).__name__
+
+    # -------------------------------------------------------------------------------- PPO critic
+
+    def _ppo_advantages(self, batch: RolloutBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """GAE advantages from the critic's values of the whole batch (each rank computes its share);
+        also returns (returns, values) for the critic's update."""
+        assert self.critic is not None
+        idx = batch.shard_indices(self.world_size)[self.rank]
+        shard = batch.select(idx)
+        values = torch.zeros(batch.rollout_logprobs.numel(), dtype=torch.float32)
+        positions = _ranges(batch.resp_offsets[torch.tensor(idx, dtype=torch.int64)], shard.response_lengths)
+        values[positions] = self.critic.values(self._synced_micro_batches(shard), shard.rollout_logprobs.numel())
+        if self.distributed:
+            values = self._all_reduce(values)
+        rewards = estimators.token_rewards(batch.rewards, batch.response_lengths)
+        advantages, returns = estimators.gae(rewards, values, batch.response_lengths, self.cfg.gamma, self.cfg.lambd)
+        return advantages, (returns, values)
+
+    def _critic_update(self, batch: RolloutBatch, shards: list[RolloutBatch], targets: tuple[Tensor, Tensor]) -> dict[str, float]:
+        """One critic optimizer step per policy optimizer step, on the same shards."""
+        assert self.critic is not None
+        returns, values = targets
+        where = {int(s): i for i, s in enumerate(batch.sample_ids.tolist())}
+        per_token = self.cfg.calculate_per_token_loss
+        sums, denoms = torch.zeros(2, dtype=torch.float64), 0.0
+        for shard in shards:
+            rows = torch.tensor([where[int(s)] for s in shard.sample_ids.tolist()], dtype=torch.int64)
+            pos = _ranges(batch.resp_offsets[rows], shard.response_lengths)
+            denom = losses.loss_denominator(shard.loss_mask, shard.num_samples, per_token)
+            if self.distributed:
+                denom = float(self._all_reduce(torch.tensor([denom], dtype=torch.float64))[0])
+            sums += self.critic.step(
+                shard, self._synced_micro_batches(shard), returns[pos], values[pos], self.cfg.value_clip,
+                scale=self.world_size / max(denom, 1.0), per_token=per_token, clip_grad=self.cfg.clip_grad,
+            )  # fmt: skip
+            denoms += max(denom, 1.0)
+        if self.distributed:
+            sums = self._all_reduce(sums)
+        mask = batch.loss_mask > 0
+        return {
+            "critic/value_loss": float(sums[0]) / denoms, "critic/value_clipfrac": float(sums[1]) / denoms,
+            "critic/values_mean": float(values[mask].mean()) if mask.any() else 0.0,
+            "critic/returns_mean": float(returns[mask].mean()) if mask.any() else 0.0,
+        }  # fmt: skip
 
     def _routing_counts(self, mb: MicroBatch, ids: Tensor) -> Tensor:
         """[matches, routes] of the recorded routing `ids` [B, T, L, k] vs the rollout's, at logit rows."""

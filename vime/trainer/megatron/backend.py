@@ -116,8 +116,8 @@ class MegatronTrainer(PolicyTrainer):
         self.layout = ModelLayout.from_hf_config(AutoConfig.from_pretrained(cfg.hf_checkpoint))
         par = cfg.parallel
         par.validate(dist.get_world_size(), num_layers=self.layout.num_layers, num_experts=self.layout.num_experts)
-        if cfg.advantage_estimator != "grpo":
-            raise ValueError(f"advantage_estimator {cfg.advantage_estimator!r} not supported (only grpo)")
+        if cfg.advantage_estimator == "ppo":
+            raise ValueError("advantage_estimator 'ppo' (a critic) is available on the torch backend only")
         self.device = torch.device("cuda", torch.cuda.current_device())
         init_model_parallel(par, cfg.seed)
         self.distributed = True
