@@ -120,7 +120,15 @@ class VimeConfig(BaseModel):
     trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel)")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step (default: all)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on one rank")
-    advantage_estimator: Literal["grpo"] = Field("grpo")
+    advantage_estimator: Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="ppo trains a critic (torch backend); gspo uses sequence-level ratios"
+    )
+    normalize_advantages: bool = Field(False, description="whiten advantages over the batch's trained tokens")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount (REINFORCE++ returns, GAE)")
+    lambd: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (ppo)")
+    value_clip: float | None = Field(0.2, gt=0.0, description="ppo critic: clip values around the old ones")
+    critic_lr: float = Field(1e-5, gt=0.0, description="ppo critic learning rate")
+    critic_hf_checkpoint: Path | None = Field(None, description="ppo critic init (default: the policy's)")
     disable_grpo_std_normalization: bool = Field(False, description="Dr.GRPO: no std division")
     lr: float = Field(1e-5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -132,7 +140,16 @@ class VimeConfig(BaseModel):
     kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0.0)
     use_tis: bool = False
+    tis_level: Literal["token", "sequence"] = "token"
     tis_clip: float = Field(2.0, gt=0.0)
+    tis_clip_low: float = Field(0.0, ge=0.0)
+    # off-policy corrections beyond TIS (vime/trainer/corrections.py)
+    use_mis: bool = Field(False, description="mask tokens/sequences whose old/rollout ratio is outside [mis_low, mis_high]")
+    mis_level: Literal["token", "sequence"] = "token"
+    mis_low: float = Field(0.5, ge=0.0)
+    mis_high: float = Field(2.0, gt=0.0)
+    use_decoupled_ppo: bool = Field(False, description="AReaL: weight by behaviour ratio, mask above the cap")
+    behav_imp_weight_cap: float = Field(5.0, gt=0.0)
     use_fsdp: bool = Field(False, description="shard the model with FSDP2 instead of replicating (DDP)")
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="save an HF checkpoint every N steps")
