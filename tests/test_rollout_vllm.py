@@ -314,3 +314,30 @@ def test_engine_matches_the_trainers_recompute_after_a_training_step(loop, engin
     assert_bf16_close(after_engine, after_trainer)
     assert after_trainer.sum() - before_trainer.sum() > 0.2, "the training step should move this sequence's logprob"
     assert np.abs(after_engine - before_trainer).mean() > 5 * np.abs(after_engine - after_trainer).mean()
+
+
+def test_without_partial_rollouts_an_update_waits_for_requests_in_flight(loop, engine, model_dir, publisher) -> None:
+    """`partial_rollout=False`: the update drains the engine first, so every sample has one version."""
+
+    async def scenario():
+        old = engine.weight_version
+        cfg = SamplingConfig(max_tokens=300, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(PROMPT, n=2, sampling=cfg)) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks), "generation finished before the update; make it longer"
+        version = next(_versions)
+        publisher.publish(version, peaked_weights(model_dir, seed=version))
+        result = await engine.update_weights(version)
+        after = await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True))
+        return old, version, result, await asyncio.gather(*tasks), after
+
+    engine._partial_rollout = False
+    try:
+        old, version, result, groups, after = loop.run_until_complete(scenario())
+    finally:
+        engine._partial_rollout = True
+    assert result.version == version
+    for samples in groups:
+        for s in samples:
+            assert s.response_length == 300 and s.token_versions.tolist() == [old] * 300
+    assert after[0].token_versions.tolist() == [version] * 4

@@ -100,6 +100,10 @@ class VimeConfig(BaseModel):
 
     # --- off-policy control ----------------------------------------------------------------------
     max_staleness: int = Field(1, ge=0, description="max weight versions between generation and training")
+    partial_rollout: bool = Field(
+        True, description="vLLM: generations in flight at a weight update continue under the new weights "
+        "(tokens keep per-token versions); off: the update waits for them to finish",
+    )  # fmt: skip
     update_weights_interval: int = Field(1, ge=1, description="publish weights every N training steps")
 
     # --- training --------------------------------------------------------------------------------

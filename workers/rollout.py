@@ -178,7 +178,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         engine_args["dtype"] = cfg.rollout_dtype
     engine = build_engine(
         kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args,
-        capture_routing=cfg.use_rollout_routing_replay,
+        capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout,
     )  # fmt: skip
     await engine.start()
     client = BrokerClient(cfg.broker_address, "rollout", worker_id)

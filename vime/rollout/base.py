@@ -193,6 +193,7 @@ def build_engine(
     initial_version: int = 0,
     *,
     capture_routing: bool = False,
+    partial_rollout: bool = True,
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -201,7 +202,9 @@ def build_engine(
     underscores; for hf: see `HfRolloutEngine`). `weight_endpoint` is the default publisher endpoint
     for `update_weights`. `initial_version` is the version the checkpoint at `model_path` counts as.
     `capture_routing` makes every sample carry its MoE routing trace (R3); the vLLM engine supports it
-    on CUDA only and raises RuntimeError when built without CUDA.
+    on CUDA only and raises RuntimeError when built without CUDA. `partial_rollout` (vLLM): generations in
+    flight at a weight update continue under the new weights (True) or finish before it (False); the
+    transformers engine updates between batches, so its samples are always single-version.
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -213,7 +216,7 @@ def build_engine(
 
         return VllmRolloutEngine(
             model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
-            capture_routing=capture_routing,
+            capture_routing=capture_routing, partial_rollout=partial_rollout,
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine
