@@ -214,7 +214,7 @@ def export_hf_weights(
                 if is_root:
                     for hf_name, t in megatron_to_hf(name, full, layout):
                         yield hf_name, t.cpu().contiguous()
-        elif in_root_group:
+        elif in_root_group and s > 0:  # stage 0's tensors are already on global rank 0: nothing to receive
             count = torch.zeros(1, dtype=torch.int64, device=device)
             dist.broadcast(count, src=src, group=group)  # type: ignore[arg-type]
             for _ in range(int(count.item())):
