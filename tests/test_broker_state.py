@@ -7,6 +7,7 @@ import pytest
 
 from vime.broker.state import BrokerSettings, BrokerState
 from vime.data.prompts import Prompt, PromptCursor
+from vime.filters import FilterDecision, check_reward_nonzero_std, filter_samples
 from vime.protocol.messages import DispatchGroups, Group, GroupScores, Sample, ScoreGroups, Shutdown, TrainBatch, WeightVersionAnnounce
 
 ROLLOUT, ROLLOUT2, REWARD, TRAINER = b"r1", b"r2", b"w1", b"t0"
@@ -277,3 +278,168 @@ def test_simulated_run_never_trains_stale_groups_and_loses_nothing(staleness: in
         state.on_weights_published(step + 1, "tcp://x:1")
     assert len(trained) == len(set(trained)) == 60
     assert state.counters["groups_dropped_stale"] == 0
+
+
+# --- dynamic sampling ----------------------------------------------------------------------------
+
+
+def zero_std_filter(group: Group) -> FilterDecision:
+    return check_reward_nonzero_std(None, filter_samples(group))
+
+
+def make_filtered_state(batch: int = 2, staleness: int = 0, over_sampling: int | None = None, num_rollout: int = 100, n: int = 2) -> BrokerState:
+    state = make_state(batch=batch, staleness=staleness, num_rollout=num_rollout, n=n)
+    state.settings.over_sampling_batch_size = over_sampling
+    return _rebuild(state, zero_std_filter)
+
+
+def _rebuild(old: BrokerState, group_filter) -> BrokerState:
+    state = BrokerState(old.settings, old.cursor, group_filter=group_filter)
+    for identity, worker in old.workers.items():
+        state.register(identity, worker.worker_id, worker.role, now=0.0)
+    state.add_credit(REWARD, 100)
+    return state
+
+
+def score_with(state: BrokerState, rewards_of: dict[str, list[float]] | None = None, default: list[float] | None = None) -> list[str]:
+    """Score every group waiting for a reward worker with per-group reward lists."""
+    groups = [g for _, msg in state.dispatch_scoring() if isinstance(msg, ScoreGroups) for g in msg.groups]
+    scores = []
+    for g in groups:
+        rewards = (rewards_of or {}).get(g.group_id, default or [1.0, 0.0])
+        scores.append(GroupScores(group_id=g.group_id, rewards=rewards, failed=[False] * len(rewards), reasons=[None] * len(rewards)))
+    state.add_credit(REWARD, len(groups))  # as a reward worker does after answering
+    return state.on_scored(REWARD, scores)
+
+
+def test_zero_std_groups_are_filtered_counted_and_their_slots_refilled() -> None:
+    state = make_filtered_state(batch=2, staleness=0)
+    state.add_credit(ROLLOUT, 10)
+    a, b = dispatched(state.dispatch())
+    run_group_through(state, a, 0)
+    run_group_through(state, b, 0)
+    assert score_with(state, {a.group_id: [1.0, 1.0], b.group_id: [1.0, 0.0]}) == [a.group_id, b.group_id]
+    assert list(state.buffer) == [b.group_id], "the all-correct group never enters the buffer"
+    assert state.counters["groups_filtered"] == 1 and state.counters["groups_filter_kept"] == 1
+    assert state.filter_reasons == {"zero_std_1.0": 1}
+    assert state.committed == 1, "the filtered group is accounted as filtered, not committed"
+    [refill] = dispatched(state.dispatch())
+    assert refill.group_id not in (a.group_id, b.group_id), "its slot goes to a fresh prompt"
+    run_group_through(state, refill, 0)
+    score_with(state, {refill.group_id: [0.0, 1.0]})
+    state.request_batch(TRAINER, step=0, n_groups=2, policy_version=0, now=0.0)
+    batch = state.try_fill_batch(now=1.0)[0][1]
+    assert [g.group_id for g in batch.groups] == [b.group_id, refill.group_id]
+    assert batch.stats["rollout/dynamic_filter_dropped"] == 1.0
+    assert batch.stats["rollout/dynamic_filter_kept"] == 2.0
+    assert batch.stats["rollout/dynamic_filter_drop_ratio"] == pytest.approx(1 / 3)
+    ds = state.status(now=1.0)["dynamic_sampling"]
+    assert ds["dropped"] == 1 and ds["kept"] == 2 and ds["reasons"] == {"zero_std_1.0": 1}
+    assert state.counters["groups_admitted"] == state.committed + state.counters["groups_filtered"]
+
+
+def test_failed_samples_are_left_out_before_the_filter_sees_the_group() -> None:
+    state = make_filtered_state(batch=1, staleness=0, n=3)
+    state.add_credit(ROLLOUT, 10)
+    group = dispatched(state.dispatch())[0]
+    run_group_through(state, group, 0)
+    [(_, msg)] = state.dispatch_scoring()
+    # The one sample that differs failed to score: the rest are all 1.0, so the group carries no signal.
+    score = GroupScores(group_id=group.group_id, rewards=[1.0, 0.0, 1.0], failed=[False, True, False], reasons=[None, "timeout", None])
+    state.on_scored(REWARD, [score])
+    assert group.group_id not in state.buffer and state.counters["groups_filtered"] == 1
+
+
+def test_a_filter_error_keeps_the_group_and_is_counted() -> None:
+    def broken(group: Group) -> FilterDecision:
+        return FilterDecision(keep=True, reason="filter_error:ZeroDivisionError", error=True)
+
+    state = _rebuild(make_state(batch=1, staleness=0), broken)
+    state.add_credit(ROLLOUT, 10)
+    group = dispatched(state.dispatch())[0]
+    run_group_through(state, group, 0)
+    score_with(state, default=[1.0, 1.0])
+    assert group.group_id in state.buffer
+    assert state.counters["filter_errors"] == 1 and state.counters["groups_filtered"] == 0
+
+
+def test_over_sampling_admits_for_the_expected_keep_rate_up_to_the_user_cap() -> None:
+    state = make_filtered_state(batch=4, staleness=1, over_sampling=6)
+    # Staleness allows 2 steps x 4 groups; nothing kept yet, so 8 groups must still be found.
+    assert state.expected_keep_rate == pytest.approx(4 / 6), "before any decision: the user's N/B"
+    assert state.admission_limit == 12 and state.over_sampling_margin == 4
+    state.filter_window.extend([True] * 4)
+    assert state.expected_keep_rate == 1.0 and state.over_sampling_margin == 0, "a filter that drops nothing costs nothing"
+    state.filter_window.clear()
+    state.filter_window.extend([True, True, True, False] * 2)  # keep rate 3/4: ceil(8 / 0.75) = 11 in flight
+    assert state.admission_limit == 11 and state.over_sampling_margin == 3
+    state.filter_window.extend([False] * 12)  # keep rate 0.3: floored at 4/6
+    assert state.admission_limit == 12
+    # Kept groups need no margin: with 6 of the 8 found, 2 more are needed -> ceil(2 / (4/6)) = 3 in flight.
+    state.add_credit(ROLLOUT, 6)
+    for g in dispatched(state.dispatch())[:6]:
+        run_group_through(state, g, 0)
+    score_with(state, default=[1.0, 0.0])
+    assert len(state.buffer) == 6 and state.keep_rate == pytest.approx(12 / 26)
+    assert state.admission_limit == 6 + 3 and state.over_sampling_margin == 1
+    no_filter = make_state(batch=4, staleness=1)
+    no_filter.settings.over_sampling_batch_size = 6
+    assert no_filter.over_sampling_margin == 0 and no_filter.admission_limit == 8
+
+
+def test_over_sampling_dispatches_ahead_so_a_drop_needs_no_extra_round_trip() -> None:
+    state = make_filtered_state(batch=2, staleness=0, over_sampling=4)
+    state.add_credit(ROLLOUT, 10)
+    groups = dispatched(state.dispatch())
+    assert len(groups) == 4, "rollout_batch_size + (over_sampling - rollout_batch_size) * window"
+    for g in groups:
+        run_group_through(state, g, 0)
+    rewards = {groups[0].group_id: [0.0, 0.0], groups[2].group_id: [1.0, 1.0]}
+    score_with(state, rewards)
+    state.request_batch(TRAINER, step=0, n_groups=2, policy_version=0, now=0.0)
+    batch = state.try_fill_batch(now=0.0)[0][1]
+    assert [g.group_id for g in batch.groups] == [groups[1].group_id, groups[3].group_id]
+
+
+@pytest.mark.parametrize("staleness,over_sampling", [(0, None), (0, 5), (1, 6), (2, 4)])
+def test_simulated_run_with_dynamic_sampling_trains_only_kept_groups_and_loses_nothing(staleness: int, over_sampling: int | None) -> None:
+    """Like the run above, with rewards drawn so about 40 % of groups have zero std."""
+    rng = np.random.default_rng(100 + staleness)
+    batch_size, steps = 3, 25
+    state = make_filtered_state(batch=batch_size, staleness=staleness, over_sampling=over_sampling, num_rollout=steps, n=2)
+    state.add_credit(ROLLOUT, 8)
+    worker_version = 0
+    generating: list[Group] = []
+    trained: list[str] = []
+    filtered: set[str] = set()
+    for step in range(steps):
+        state.request_batch(TRAINER, step, batch_size, policy_version=step, now=float(step))
+        while True:
+            generating += dispatched(state.dispatch())
+            out = state.try_fill_batch(float(step))
+            if out:
+                break
+            assert generating, "deadlock: nothing in flight and no batch"
+            group = generating.pop(int(rng.integers(len(generating))))
+            worker_version = max(worker_version, group.min_weight_version)
+            run_group_through(state, group, worker_version)
+            state.add_credit(ROLLOUT, 1)
+            rewards = [float(r) for r in rng.integers(0, 2, size=2)] if rng.random() < 0.75 else [1.0, 1.0]
+            before = state.counters["groups_filtered"]
+            score_with(state, {group.group_id: rewards})
+            if state.counters["groups_filtered"] > before:
+                filtered.add(group.group_id)
+        batch = out[0][1]
+        assert len(batch.groups) == batch_size, "every step gets its batch"
+        assert batch.stats["staleness_max"] <= staleness
+        for g in batch.groups:
+            assert len({s.reward for s in g.samples}) > 1, "a zero-std group reached the trainer"
+        trained += [g.group_id for g in batch.groups]
+        state.on_step_done(step, [g.group_id for g in batch.groups])
+        state.on_weights_published(step + 1, "tcp://x:1")
+    assert len(trained) == len(set(trained)) == steps * batch_size, "nothing trained twice"
+    assert not filtered & set(trained)
+    assert state.counters["groups_filtered"] == len(filtered) > 0
+    c = state.counters
+    assert c["groups_admitted"] == state.committed + c["groups_filtered"] + c["groups_failed"] + c["groups_dropped_stale"], "nothing lost"
+    assert state.finished

@@ -1,4 +1,5 @@
-"""The `vime` command: run a job, query a broker, report on a run, build the demo model, benchmark."""
+"""The `vime` command: run a job, query a broker, report on a run, build the demo model, benchmark,
+make CURVE keys."""
 
 from __future__ import annotations
 
@@ -29,12 +30,17 @@ def _cmd_status(argv: list[str]) -> int:
     parser.add_argument("--broker-address", default="tcp://127.0.0.1:5555")
     parser.add_argument("--json", action="store_true", help="print the raw JSON")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--curve-keys-dir", type=Path, default=None, help="the job's `vime keys` directory (client key: clients/status)")
+    parser.add_argument("--allow-insecure", action="store_true", help="allow plaintext to a non-loopback broker")
     args = parser.parse_args(argv)
     from vime.broker.client import query_status
+    from vime.security import Security, SecurityError
 
     try:
-        status = query_status(args.broker_address, args.timeout)
-    except TimeoutError as exc:
+        status = query_status(
+            args.broker_address, args.timeout, security=Security(args.curve_keys_dir, args.allow_insecure)
+        )
+    except (TimeoutError, SecurityError) as exc:
         print(f"vime status: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -75,6 +81,36 @@ def _cmd_slurm(argv: list[str]) -> int:
     return slurm_main(argv)
 
 
+def _cmd_keys(argv: list[str]) -> int:
+    from vime.security import CLIENT_ROLES, KeyPaths, create_keys
+
+    parser = argparse.ArgumentParser(
+        prog="vime keys",
+        description="create CURVE key pairs for a job: DIR/server.key_secret (broker and weight publisher), "
+        "DIR/clients/<name>.key_secret (one per client role), DIR/authorized/<name>.key (the servers' "
+        "allow-list). Existing keys are kept; then pass --curve-keys-dir DIR to every process.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("directory", type=Path, help="where the keys go (created, owner-only)")
+    parser.add_argument("--client", dest="clients", action="append", default=None, metavar="NAME",
+                        help=f"client pair to create (repeatable; default: {', '.join(CLIENT_ROLES)})")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="replace existing pairs (every process must restart)")
+    args = parser.parse_args(argv)
+    try:
+        written = create_keys(args.directory, args.clients or CLIENT_ROLES, force=args.force)
+    except (OSError, ValueError) as exc:
+        print(f"vime keys: {exc}", file=sys.stderr)
+        return 2
+    paths = KeyPaths(args.directory)
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"vime keys: every key already exists in {args.directory} (--force replaces them)")
+    allowed = sorted(p.stem for p in paths.authorized.glob("*.key"))
+    print(f"allowed clients: {', '.join(allowed)}; use: --curve-keys-dir {args.directory}")
+    return 0
+
+
 def _cmd_bench(argv: list[str]) -> int:
     benches = {"r3": "vime.bench.r3"}
     if not argv or argv[0] not in benches:
@@ -87,7 +123,7 @@ def _cmd_bench(argv: list[str]) -> int:
 
 COMMANDS = {
     "run": _cmd_run, "status": _cmd_status, "report": _cmd_report, "make-demo-model": _cmd_make_demo_model,
-    "bench": _cmd_bench, "slurm": _cmd_slurm,
+    "bench": _cmd_bench, "slurm": _cmd_slurm, "keys": _cmd_keys,
 }  # fmt: skip
 
 
@@ -96,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: vime {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         sys.exit(2)
+    from vime.security import SecurityError
+
     try:
         sys.exit(COMMANDS[argv[0]](argv[1:]))
-    except ConfigError as exc:
+    except (ConfigError, SecurityError) as exc:
         print(f"vime: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -106,6 +106,27 @@ class VimeConfig(BaseModel):
     )  # fmt: skip
     update_weights_interval: int = Field(1, ge=1, description="publish weights every N training steps")
 
+    # --- dynamic sampling and evaluation (slime's flags; docs: README "Dynamic sampling and eval") -
+    over_sampling_batch_size: int | None = Field(
+        None, ge=1, description="prompts dispatched per step when a dynamic sampling filter drops groups "
+        "(>= rollout_batch_size; the broker over-admits by the observed drop rate, up to this)",
+    )  # fmt: skip
+    dynamic_sampling_filter_path: str | None = Field(
+        None, description="drop scored groups before training: check_reward_nonzero_std (built-in, drops "
+        "groups whose rewards are all equal), path/to/file.py:fn or module:fn with slime's (args, samples)",
+    )  # fmt: skip
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every N training steps (needs eval_prompt_data)")
+    eval_prompt_data: dict[str, str] = Field(
+        default_factory=dict, description="NAME PATH [NAME PATH ...]: eval sets (JSONL/Parquet, or demo:arithmetic)",
+        json_schema_extra={"nargs": "+"},
+    )  # fmt: skip
+    skip_eval_before_train: bool = Field(False, description="no eval of the initial weights")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k up to this k)")
+    eval_temperature: float | None = Field(None, ge=0.0, description="default: rollout_temperature")
+    eval_top_p: float | None = Field(None, gt=0.0, le=1.0, description="default: rollout_top_p")
+    eval_max_response_len: int | None = Field(None, ge=1, description="default: rollout_max_response_len")
+    eval_pass_threshold: float = Field(1.0, description="pass@k counts a sample correct when its raw reward >= this")
+
     # --- training --------------------------------------------------------------------------------
     train_backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch: HF model with DDP/FSDP2; megatron: Megatron-core (GPU, Python >= 3.12)"
@@ -169,6 +190,16 @@ class VimeConfig(BaseModel):
     heartbeat_interval_s: float = Field(2.0, gt=0.0)
     worker_timeout_s: float = Field(60.0, gt=0.0, description="silence after which a worker's work is re-leased")
 
+    # --- security (vime/security.py, docs/reliability.md) -----------------------------------------
+    curve_keys_dir: Path | None = Field(
+        None, description="CURVE keys made by `vime keys DIR`: encrypt and authenticate every ZeroMQ socket "
+        "(broker and weight channel); only clients whose keys are in DIR/authorized/ get in",
+    )  # fmt: skip
+    allow_insecure: bool = Field(
+        False, description="allow plaintext ZeroMQ on non-loopback addresses without --curve-keys-dir (logged as "
+        "a warning); without it such a job refuses to start",
+    )  # fmt: skip
+
     @field_validator("rm_url", mode="before")
     @classmethod
     def _split_rm_urls(cls, value: Any) -> Any:
@@ -184,6 +215,28 @@ class VimeConfig(BaseModel):
             if scheme not in ("http", "https") or not sep or not rest.split("/")[0]:
                 raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH")
         return urls
+
+    @field_validator("eval_prompt_data", mode="before")
+    @classmethod
+    def _pair_eval_sets(cls, value: Any) -> Any:
+        """`--eval-prompt-data a x.jsonl b demo:arithmetic` (slime's flat NAME PATH list) or a YAML mapping."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            value = value.split()
+        if isinstance(value, list):
+            items = [str(v) for v in value]
+            if len(items) % 2:
+                raise ValueError(f"needs NAME PATH pairs, got an odd number of items: {items}")
+            names = items[0::2]
+            if len(set(names)) != len(names):
+                raise ValueError(f"eval set names must be unique, got {names}")
+            value = dict(zip(names, items[1::2]))
+        if isinstance(value, dict):
+            for name in value:
+                if not str(name) or not all(c.isalnum() or c in "_.-" for c in str(name)):
+                    raise ValueError(f"eval set name {name!r} must be letters, digits, '_', '.' or '-' (it becomes eval/NAME/...)")
+        return value
 
     def megatron_parallel(self) -> "MegatronParallelConfig":
         """The Megatron layout these flags describe (checked by `_check_megatron_layout`)."""
@@ -222,6 +275,43 @@ class VimeConfig(BaseModel):
         if self.rm_type == "remote_rm" and not self.rm_url and not self.custom_rm_path:
             raise ValueError("rm_type 'remote_rm' needs rm_url (--rm-url http://HOST:PORT/PATH[,URL...])")
         return self
+
+    @model_validator(mode="after")
+    def _check_sampling_and_eval(self) -> VimeConfig:
+        if self.over_sampling_batch_size is not None:
+            if self.over_sampling_batch_size < self.rollout_batch_size:
+                raise ValueError(
+                    f"over_sampling_batch_size = {self.over_sampling_batch_size} is below rollout_batch_size = "
+                    f"{self.rollout_batch_size}; it counts all prompts dispatched per step, filtered ones included"
+                )
+            if not self.dynamic_sampling_filter_path:
+                raise ValueError(
+                    "over_sampling_batch_size refills groups a dynamic sampling filter drops: set "
+                    "dynamic_sampling_filter_path (built-in: check_reward_nonzero_std)"
+                )
+        if self.dynamic_sampling_filter_path and self.n_samples_per_prompt < 2:
+            from vime.filters import is_zero_std_filter
+
+            if is_zero_std_filter(self.dynamic_sampling_filter_path):
+                raise ValueError("the zero-std filter drops every group of one sample: n_samples_per_prompt must be >= 2")
+        if self.eval_interval is not None:
+            if not self.eval_prompt_data:
+                raise ValueError("eval_interval needs eval_prompt_data (--eval-prompt-data NAME PATH [NAME PATH ...])")
+            if self.eval_interval % self.update_weights_interval:
+                raise ValueError(
+                    f"eval_interval = {self.eval_interval} must be a multiple of update_weights_interval = "
+                    f"{self.update_weights_interval}: evals run on published weights"
+                )
+        return self
+
+    @property
+    def eval_sampling(self) -> dict[str, Any]:
+        """Sampling of eval groups: the eval_* flags, defaulting to the rollout's."""
+        return {
+            "temperature": self.rollout_temperature if self.eval_temperature is None else self.eval_temperature,
+            "top_p": self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
+            "max_tokens": self.rollout_max_response_len if self.eval_max_response_len is None else self.eval_max_response_len,
+        }
 
     @property
     def samples_per_step(self) -> int:
@@ -275,6 +365,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         help_text = field.description or ""
         if _is_bool(field.annotation):
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("nargs"):
+            # Multi-value flags (slime's `--eval-prompt-data NAME PATH ...`); the field's validator pairs them.
+            nargs = field.json_schema_extra["nargs"]
+            group.add_argument(_flag(name), dest=name, nargs=nargs, type=str, default=None, help=help_text)  # type: ignore[arg-type]
         else:
             group.add_argument(_flag(name), dest=name, type=_scalar_type(field.annotation), default=None, help=help_text)
 

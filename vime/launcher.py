@@ -133,6 +133,8 @@ class ProgressView:
         for line in complete.splitlines():
             record = json.loads(line)
             self.records.append(record)
+            if any(key.startswith("eval/") for key in record):
+                continue  # an eval run's line, not a step
             self.bar.update(1)
             self.bar.set_postfix(
                 reward=f"{record.get('rollout/raw_reward', 0):.3f}",
@@ -148,6 +150,9 @@ class ProgressView:
 
 def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None = None) -> int:
     """Run the whole job on this machine; returns the exit code for `vime run`."""
+    from vime.security import check_job
+
+    check_job(cfg)  # SecurityError (missing keys, plaintext off loopback) before any child starts
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.make_demo_model:
         from vime.demo.model_factory import make_demo_model
@@ -235,10 +240,10 @@ def stop_children(children: list[Child]) -> None:
 
 
 def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> None:
-    if not records:
-        return
-    from vime.metrics import plot_metrics, summarize
+    from vime.metrics import plot_metrics, summarize, training_records
 
+    if not training_records(records):
+        return
     png = plot_metrics(cfg.run_dir / "metrics.jsonl", cfg.run_dir / "reward_curve.png")
     summary = summarize(records)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -246,3 +251,6 @@ def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> None:
         f"vime: {summary['steps']} steps in {summary['wall_time_s']:.0f} s; reward first-5 {summary['reward_first5']:.3f} "
         f"-> last-5 {summary['reward_last5']:.3f} (+{summary['reward_gain']:.3f}); metrics {cfg.run_dir / 'metrics.jsonl'}; plot {png}"
     )
+    for run in summary["eval"]:
+        passes = "  ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in run.items() if "/pass@" in k)
+        tqdm.write(f"vime: eval at step {run['step']} (weights v{run['weight_version']}): {passes}")

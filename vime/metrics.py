@@ -1,4 +1,9 @@
-"""Reading a run's metrics.jsonl: summaries for the terminal and a reward-curve plot."""
+"""Reading a run's metrics.jsonl: summaries for the terminal and a reward-curve plot.
+
+The file holds one line per training step and, with `--eval-interval`, one line per eval run (its
+`eval/...` keys, at the step whose weights were evaluated; written when the run finishes, so it may
+follow later steps' lines). `training_records` and `eval_records` tell them apart.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,23 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def is_eval_record(record: dict[str, Any]) -> bool:
+    return any(key.startswith("eval/") for key in record)
+
+
+def training_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if not is_eval_record(r)]
+
+
+def eval_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Eval lines in step order."""
+    return sorted((r for r in records if is_eval_record(r)), key=lambda r: r["step"])
+
+
 def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
-    """Reward at the start and end of a run and the average step-time breakdown."""
+    """Reward at the start and end of a run, the average step-time breakdown, and eval pass rates."""
+    evals = eval_records(records)
+    records = training_records(records)
     rewards = [r["rollout/raw_reward"] for r in records]
     first = float(np.mean(rewards[:window]))
     last = float(np.mean(rewards[-window:]))
@@ -35,6 +55,10 @@ def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "reward_last5": last,
         "reward_gain": last - first,
         "mean": means,
+        "eval": [
+            {k: v for k, v in r.items() if k in ("step", "weight_version") or "/pass@" in k or k.endswith("/reward_mean")}
+            for r in evals
+        ],
     }
 
 
@@ -45,13 +69,23 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    everything = read_metrics(metrics_path)
+    records, evals = training_records(everything), eval_records(everything)
     panels = [
         ("rollout/raw_reward", "reward"),
         ("train/train_rollout_logprob_abs_diff", "|logp train - rollout|"),
         ("perf/step_time", "step time (s), after step 0"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(13 + 4 * bool(evals), 3.6))
+    if evals:
+        ax = axes[-1]
+        for key in sorted({k for r in evals for k in r if "/pass@" in k}):
+            shown = [r for r in evals if key in r]
+            ax.plot([r["step"] for r in shown], [r[key] for r in shown], marker="o", linewidth=1, label=key[len("eval/"):])
+        ax.set_xlabel("step (-1: before training)")
+        ax.set_title("eval pass@k")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     for ax, (key, label) in zip(axes, panels):
         # Step 0's time includes engine start-up; it would flatten the rest of the step-time panel.
         shown = records[1:] if key == "perf/step_time" and len(records) > 1 else records

@@ -6,11 +6,17 @@
 - ROUTER_HANDOVER lets a restarted worker reclaim its identity.
 - HWMs are generous but finite: they count messages, not bytes.
 - TCP keepalive and ZMTP heartbeats detect dead links below the application's own heartbeats.
+- Security (CURVE keys, the ZAP allow-list, or the loopback-only plaintext rule) comes from a
+  `vime.security` guard and is applied before the socket binds or connects; without a guard the
+  plaintext rule applies, so a socket never listens on or connects to a network address unencrypted
+  by accident.
 """
 
 from __future__ import annotations
 
 import zmq
+
+from vime.security import ClientGuard, ServerGuard
 
 DEFAULT_HWM = 10_000
 LINGER_MS = 1_000
@@ -26,13 +32,26 @@ def _common(sock: zmq.Socket, max_message_bytes: int) -> None:  # type: ignore[t
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
 
 
-def make_router(context: zmq.Context, bind: str, *, max_message_bytes: int = 1 << 30) -> zmq.Socket:  # type: ignore[type-arg]
-    """A bound ROUTER for a server (broker, weight publisher)."""
+def make_router(
+    context: zmq.Context,  # type: ignore[type-arg]
+    bind: str,
+    *,
+    max_message_bytes: int = 1 << 30,
+    guard: ServerGuard | None = None,
+) -> zmq.Socket:  # type: ignore[type-arg]
+    """A bound ROUTER for a server (broker). `guard` secures it (its context must be `context`);
+    without one, plaintext on loopback only (SecurityError otherwise)."""
+    guard = guard or ServerGuard(context, None, name="router", endpoint=bind)
     sock = context.socket(zmq.ROUTER)
     _common(sock, max_message_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.bind(bind)
+    guard.secure(sock)
+    try:
+        sock.bind(bind)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
     return sock
 
 
@@ -42,13 +61,17 @@ def make_dealer(
     *,
     identity: bytes | None = None,
     max_message_bytes: int = 1 << 30,
+    guard: ClientGuard | None = None,
 ) -> zmq.Socket:  # type: ignore[type-arg]
-    """A DEALER connected to a server; `identity` makes reconnects recognisable to the ROUTER."""
+    """A DEALER connected to a server; `identity` makes reconnects recognisable to the ROUTER.
+    `guard` secures it; without one, plaintext to loopback only (SecurityError otherwise)."""
+    guard = guard or ClientGuard(None, role="", name="dealer", endpoint=connect)
     sock = context.socket(zmq.DEALER)
     _common(sock, max_message_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.IMMEDIATE, 1)
+    guard.secure(sock)
     sock.connect(connect)
     return sock
 

@@ -8,31 +8,27 @@ import sys
 from vime.broker.server import BrokerServer
 from vime.broker.state import BrokerSettings, BrokerState
 from vime.config import VimeConfig, build_parser, parse_config
-from vime.data.prompts import PromptCursor, load_prompts
+from vime.data.prompts import PromptCursor, load_eval_prompts, load_prompts
+from vime.eval import EvalSet
+from vime.filters import build_group_filter
 from vime.logging import bind_process, configure_logging, get_logger
+from vime.security import Security
 
 
 def build_state(cfg: VimeConfig) -> BrokerState:
-    """Load and tokenize the prompts (the broker never loads model weights, only the tokenizer)."""
+    """Load and tokenize the prompts and eval sets, load the dynamic sampling filter (the broker never
+    loads model weights, only the tokenizer). A bad dataset or filter spec fails here, at start-up."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.hf_checkpoint))
     prompts = load_prompts(cfg, tokenizer)
-    settings = BrokerSettings(
-        rollout_batch_size=cfg.rollout_batch_size,
-        n_samples_per_prompt=cfg.n_samples_per_prompt,
-        max_staleness=cfg.max_staleness,
-        update_weights_interval=cfg.update_weights_interval,
-        num_rollout=cfg.num_rollout,
-        worker_timeout_s=cfg.worker_timeout_s,
-        sampling={
-            "temperature": cfg.rollout_temperature,
-            "top_p": cfg.rollout_top_p,
-            "max_tokens": cfg.rollout_max_response_len,
-        },
-        rm_type=cfg.rm_type,
-    )
-    return BrokerState(settings, PromptCursor(prompts, shuffle=cfg.rollout_shuffle, seed=cfg.seed))
+    eval_sets = []
+    if cfg.eval_interval is not None:
+        eval_sets = [EvalSet(name, p) for name, p in load_eval_prompts(cfg, tokenizer).items()]
+    return BrokerState(
+        BrokerSettings.from_config(cfg), PromptCursor(prompts, shuffle=cfg.rollout_shuffle, seed=cfg.seed),
+        group_filter=build_group_filter(cfg), eval_sets=eval_sets,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,10 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     log = get_logger("vime.broker")
     state = build_state(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    server = BrokerServer(state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json")
+    server = BrokerServer(
+        state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json",
+        security=Security.from_config(cfg),
+    )  # fmt: skip
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     log.info("prompts_loaded", count=len(state.cursor), source=cfg.prompt_data)
+    if state.evals is not None:
+        log.info("eval_sets_loaded", sets={e.name: len(e.prompts) for e in state.evals.sets}, interval=cfg.eval_interval)
     server.serve()
 
 

@@ -1,13 +1,21 @@
 """`vime-worker --role reward`: scores generated groups with a built-in, custom or remote reward.
 
 Each sample gets a reward or is marked failed with a reason (an exception in a custom function, a
-timeout); a failed sample is never scored 0 silently. Scoring runs off the event loop so heartbeats
-and new work keep flowing while slow reward functions run.
+timeout, a reward server that cannot be reached); a failed sample is never scored 0 silently: the
+broker leaves it out of training and counts it. Scoring runs off the event loop so heartbeats and new
+work keep flowing while slow reward functions or servers work.
+
+Each `ScoreGroups` message is scored as one batch (so remote batch formats fill their requests) and
+answered with one `GroupsScored` plus the credits it used. With `--rm-type remote_rm` the samples go
+to the reward servers through `vime.rewards.remote.RemoteReward`; its counters (requests, retries,
+failures by kind) and running means of numeric reward extras ride on the heartbeat's stats.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from typing import Protocol
 
 from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
@@ -15,36 +23,108 @@ from vime.logging import get_logger
 from vime.metrics import BusyTimer
 from vime.protocol.messages import Ack, Credit, Group, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, ScoreGroups, Shutdown
 from vime.rewards import RewardFn, RewardResult, build_reward_fn
+from vime.rewards.remote import RemoteReward, RemoteRewardSettings
+from vime.rewards.wire import ScoreItem
+from vime.security import Security
 
 log = get_logger("vime.worker.reward")
 
 
-async def score_sample(reward_fn: RewardFn, group: Group, response: str) -> RewardResult:
-    """Reward functions report failures as results; an exception that escapes anyway fails the sample."""
+class Scorer(Protocol):
+    """Scores a batch: one `RewardResult` per item, in order, and never raises for bad input."""
+
+    async def score_batch(self, items: Sequence[ScoreItem]) -> list[RewardResult]: ...
+
+
+class LocalScorer:
+    """A `RewardFn` (built-in or custom) applied to each item concurrently."""
+
+    def __init__(self, reward_fn: RewardFn) -> None:
+        self.reward_fn = reward_fn
+
+    async def score_batch(self, items: Sequence[ScoreItem]) -> list[RewardResult]:
+        return list(await asyncio.gather(*(self._one(item) for item in items)))
+
+    async def _one(self, item: ScoreItem) -> RewardResult:
+        try:
+            return await self.reward_fn(item.prompt, item.response, item.label, dict(item.metadata))
+        except Exception as exc:  # a bug in a user's function must not take the worker down
+            return RewardResult.failure(f"{type(exc).__name__}: {exc}")
+
+
+def build_scorer(cfg: VimeConfig) -> Scorer:
+    """Remote servers for `--rm-type remote_rm` (unless a `--custom-rm-path` wins, as in slime), else local."""
+    if cfg.rm_type == "remote_rm" and not cfg.custom_rm_path:
+        settings = RemoteRewardSettings.from_config(cfg)
+        log.info(
+            "remote_reward", urls=settings.urls, format=settings.fmt, reward_key=settings.reward_key,
+            batch_size=settings.batch_size, concurrency=settings.concurrency, auth=settings.token is not None,
+        )  # fmt: skip
+        return RemoteReward(settings)
+    return LocalScorer(build_reward_fn(cfg.rm_type, cfg.custom_rm_path))
+
+
+def items_of(groups: Sequence[Group]) -> list[ScoreItem]:
+    """Every sample of `groups`, in order; ids are `group_id/sample_index` (unique within a message)."""
+    return [
+        ScoreItem(f"{g.group_id}/{s.index}", g.prompt_text, s.response_text, g.label, g.metadata)
+        for g in groups
+        for s in g.samples
+    ]
+
+
+async def score_groups(scorer: Scorer, groups: Sequence[Group]) -> list[GroupScores]:
+    """Scores for `groups`; if the scorer breaks its promise (raises, wrong count) every sample fails."""
+    items = items_of(groups)
     try:
-        return await reward_fn(group.prompt_text, response, group.label, dict(group.metadata))
-    except Exception as exc:  # a bug in a user's function must not take the worker down
-        return RewardResult.failure(f"{type(exc).__name__}: {exc}")
+        results = await scorer.score_batch(items)
+        if len(results) != len(items):
+            raise RuntimeError(f"scorer returned {len(results)} results for {len(items)} samples")
+    except Exception as exc:
+        log.exception("scorer_error", samples=len(items))
+        results = [RewardResult.failure(f"reward scorer error: {type(exc).__name__}: {exc}")] * len(items)
+    out, i = [], 0
+    for group in groups:
+        mine = results[i : i + len(group.samples)]
+        i += len(group.samples)
+        out.append(
+            GroupScores(
+                group_id=group.group_id,
+                rewards=[r.reward for r in mine],
+                failed=[r.failed for r in mine],
+                reasons=[r.reason for r in mine],
+                extras=[r.extra for r in mine],
+            )
+        )
+    return out
 
 
-async def score_group(reward_fn: RewardFn, group: Group) -> GroupScores:
-    results = await asyncio.gather(*(score_sample(reward_fn, group, s.response_text) for s in group.samples))
-    return GroupScores(
-        group_id=group.group_id,
-        rewards=[r.reward for r in results],
-        failed=[r.failed for r in results],
-        reasons=[r.reason for r in results],
-        extras=[r.extra for r in results],
-    )
+class ExtraMeans:
+    """Running means of the numeric extras of scored samples (`acc`, a judge's sub-scores, ...)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, extras: Sequence[dict]) -> None:
+        for extra in extras:
+            for key, value in extra.items():
+                if isinstance(value, (bool, int, float)):
+                    self.sums[key] = self.sums.get(key, 0.0) + float(value)
+                    self.counts[key] = self.counts.get(key, 0) + 1
+
+    def stats(self) -> dict[str, float]:
+        return {f"extra_mean/{k}": self.sums[k] / self.counts[k] for k in self.sums}
 
 
 class RewardWorker:
-    def __init__(self, cfg: VimeConfig, client: BrokerClient) -> None:
+    def __init__(self, cfg: VimeConfig, client: BrokerClient, scorer: Scorer | None = None) -> None:
         self.cfg = cfg
         self.client = client
-        self.reward_fn = build_reward_fn(cfg.rm_type, cfg.custom_rm_path)
+        self.scorer = scorer or build_scorer(cfg)
         self.tasks: set[asyncio.Task[None]] = set()
         self.stats = {"groups": 0.0, "samples_failed": 0.0, "busy_s": 0.0}
+        self.extras = ExtraMeans()
         self.busy = BusyTimer()
 
     async def run(self) -> int:
@@ -61,10 +141,9 @@ class RewardWorker:
                 if msg is None or isinstance(msg, (Ack, HeartbeatAck)):
                     continue
                 if isinstance(msg, ScoreGroups):
-                    for group in msg.groups:
-                        task = asyncio.create_task(self._score(group))
-                        self.tasks.add(task)
-                        task.add_done_callback(self.tasks.discard)
+                    task = asyncio.create_task(self._score(msg.groups))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
                 elif isinstance(msg, Shutdown):
                     log.info("shutdown_requested", reason=msg.reason)
                     return 0
@@ -74,26 +153,35 @@ class RewardWorker:
             heartbeat.cancel()
             for task in self.tasks:
                 task.cancel()
+            if isinstance(self.scorer, RemoteReward):
+                await self.scorer.aclose()
 
     def _heartbeat(self) -> Heartbeat:
         self.stats["busy_s"] = self.busy.total()
-        return Heartbeat(in_flight=len(self.tasks), stats=dict(self.stats))
+        stats = dict(self.stats)
+        stats.update(self.extras.stats())
+        if isinstance(self.scorer, RemoteReward):
+            stats.update(self.scorer.stats())
+        return Heartbeat(in_flight=len(self.tasks), stats=stats)
 
-    async def _score(self, group: Group) -> None:
+    async def _score(self, groups: Sequence[Group]) -> None:
         self.busy.begin()
         try:
-            scores = await score_group(self.reward_fn, group)
+            scores = await score_groups(self.scorer, groups)
         finally:
             self.busy.end()
-        failures = sum(scores.failed)
+        failures = sum(sum(s.failed) for s in scores)
         if failures:
-            log.warning("reward_failed", group=group.group_id, failed=failures, reason=next(r for r in scores.reasons if r))
-        self.stats["groups"] += 1
+            reason = next(r for s in scores for r, f in zip(s.reasons, s.failed) if f)
+            log.warning("reward_failed", groups=len(groups), failed=failures, reason=reason)
+        for s in scores:
+            self.extras.add([e for e, f in zip(s.extras, s.failed) if not f])
+        self.stats["groups"] += len(groups)
         self.stats["samples_failed"] += failures
-        await self.client.send(GroupsScored(scores=[scores]))
-        await self.client.send(Credit(n=1))
+        await self.client.send(GroupsScored(scores=scores))
+        await self.client.send(Credit(n=len(groups)))
 
 
 async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
-    client = BrokerClient(cfg.broker_address, "reward", worker_id)
+    client = BrokerClient(cfg.broker_address, "reward", worker_id, security=Security.from_config(cfg))
     return await client.run_session(RewardWorker(cfg, client).run())

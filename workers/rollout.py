@@ -5,11 +5,22 @@ wait until the engine holds the group's minimum weight version, generate n sampl
 grant one more credit. Weight announcements are coalesced: the engine jumps straight to the newest
 version (a worker that missed versions just fetches the latest), in flight, while other groups keep
 generating.
+
+Eval groups (kind "eval") are sampled with the job's eval sampling parameters. They carry the weight
+version of their eval run; while one generates on exactly that version, the worker holds further
+weight updates, so the run measures the weights of its step and not a mix; the hold outlasts the
+last such group by `EVAL_HOLD_GRACE_S`, because the run's next groups arrive one broker round trip
+after a credit frees. The cost is bounded by the eval's generation time on this worker (plus the
+grace): training groups that need a newer version wait for it, groups already generating keep going.
+If the engine had already moved past the run's version when the group arrived (or an update was
+already loading), it generates on the newer one; the tokens' versions say which
+(eval/NAME/weight_version_max).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -30,9 +41,18 @@ from vime.protocol.messages import (
     Shutdown,
     WeightVersionAnnounce,
 )
-from vime.rollout import GeneratedSample, SamplingConfig, build_engine
+from vime.rollout import GeneratedSample, SamplingConfig, WeightUpdateError, build_engine
+from vime.security import Security
 
 log = get_logger("vime.worker.rollout")
+
+# A failed weight update (the fetcher gave up after its timeout) is retried this much later, for the
+# latest version then; this many failures in a row end the worker (a broken channel, not a hiccup).
+UPDATE_RETRY_S = 5.0
+MAX_UPDATE_FAILURES = 3
+# Weight updates stay held this long after the last eval group on its run's version finished, so the
+# run's next groups (one credit -> dispatch round trip away) still find the weights they measure.
+EVAL_HOLD_GRACE_S = 0.25
 
 
 def to_sample(index: int, generated: GeneratedSample) -> Sample:
@@ -62,9 +82,15 @@ class RolloutWorker:
         self.update_wanted = asyncio.Event()
         self.busy = BusyTimer()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0}
+        self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0}
         self.sampling: SamplingConfig | None = None
+        self.eval_sampling: SamplingConfig | None = None
+        self.eval_pins = 0  # eval groups generating on their run's version: weight updates wait
+        self.unpinned = asyncio.Event()
+        self.unpinned.set()
+        self._hold_token = 0
         self.fatal: BaseException | None = None
+        self.update_failures = 0
 
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.engine.weight_version)
@@ -73,6 +99,12 @@ class RolloutWorker:
             top_p=float(job.sampling["top_p"]),
             max_tokens=int(job.sampling["max_tokens"]),
         )
+        if job.eval_sampling:
+            self.eval_sampling = SamplingConfig(
+                temperature=float(job.eval_sampling["temperature"]),
+                top_p=float(job.eval_sampling["top_p"]),
+                max_tokens=int(job.eval_sampling["max_tokens"]),
+            )
         self._note_version(job.weight_version, job.weight_endpoint)
         await self.client.send(Credit(n=self.cfg.rollout_concurrency))
         updater = asyncio.create_task(self._update_loop())
@@ -127,10 +159,27 @@ class RolloutWorker:
         while True:
             await self.update_wanted.wait()
             self.update_wanted.clear()
+            await self.unpinned.wait()  # an eval run holds the weights it measures
             if self.engine.weight_version >= self.target_version or self.endpoint is None:
                 continue
             started = time.perf_counter()
-            result = await self.engine.update_weights(self.target_version, self.endpoint)
+            try:
+                result = await self.engine.update_weights(self.target_version, self.endpoint)
+            except WeightUpdateError as exc:
+                # A stuck or broken transfer: the engine keeps its weights and keeps generating; retry
+                # later (or sooner, on a newer announcement). Only repeated failures end the worker.
+                # Any other update error may have left the model half loaded: restart (the contract of
+                # WeightUpdateError, whose message says which case it is).
+                if "engine keeps its weights" not in str(exc):
+                    raise
+                self.update_failures += 1
+                log.error("weight_update_failed", version=self.target_version, endpoint=self.endpoint,
+                          failures=self.update_failures, error=str(exc)[:1000])  # fmt: skip
+                if self.update_failures >= MAX_UPDATE_FAILURES:
+                    raise
+                asyncio.get_running_loop().call_later(UPDATE_RETRY_S, self.update_wanted.set)
+                continue
+            self.update_failures = 0
             seconds = time.perf_counter() - started
             self.stats["update_s"] += seconds
             self.stats["updates"] += 1
@@ -152,16 +201,36 @@ class RolloutWorker:
             self._note_version(group.min_weight_version, self.endpoint)
             await self._wait_for_version(group.min_weight_version)
         assert self.sampling is not None
+        is_eval = group.kind == "eval"
+        sampling = (self.eval_sampling or self.sampling) if is_eval else self.sampling
+        # Pinned before the first await, so no update can start between the check and the generation.
+        pinned = is_eval and self.engine.weight_version == group.min_weight_version
+        if pinned:
+            self._pin(+1)
         self.busy.begin()
         try:
-            generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=self.sampling)
+            generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=sampling)
         finally:
             self.busy.end()
+            if pinned:
+                self._pin(-1)
         group.samples = [to_sample(i, g) for i, g in enumerate(generated)]
         self.stats["tokens"] += sum(len(s.response_tokens) for s in group.samples)
-        self.stats["groups"] += 1
+        self.stats["eval_groups" if is_eval else "groups"] += 1
         await self.client.send(GroupsGenerated(groups=[group]))
         await self.client.send(Credit(n=1))
+
+    def _pin(self, delta: int) -> None:
+        self.eval_pins += delta
+        if self.eval_pins:
+            self.unpinned.clear()
+            return
+        self._hold_token += 1  # a newer release supersedes the timers of earlier ones
+        asyncio.get_running_loop().call_later(EVAL_HOLD_GRACE_S, self._release_hold, self._hold_token)
+
+    def _release_hold(self, token: int) -> None:
+        if token == self._hold_token and self.eval_pins == 0:
+            self.unpinned.set()
 
     def _heartbeat(self) -> Heartbeat:
         self.stats["busy_s"] = self.busy.total()
@@ -176,13 +245,16 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     engine_args = dict(cfg.vllm) if use_vllm else {}
     if not use_vllm and cfg.rollout_dtype:
         engine_args["dtype"] = cfg.rollout_dtype
+    # Weight fetchers run in the engine's processes (vLLM's workers): they read the keys from the env.
+    security = Security.from_config(cfg)
+    os.environ.update(security.env())
     engine = build_engine(
         kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args,
         capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout,
     )  # fmt: skip
     await engine.start()
-    client = BrokerClient(cfg.broker_address, "rollout", worker_id)
     try:
+        client = BrokerClient(cfg.broker_address, "rollout", worker_id, security=security)
         return await client.run_session(RolloutWorker(cfg, engine, client).run())
     finally:
         await engine.shutdown()

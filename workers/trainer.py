@@ -28,7 +28,10 @@ import torch.distributed as dist
 from vime.broker.client import BrokerClient, BrokerGone
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
-from vime.protocol.messages import Ack, BatchRequest, Group, Heartbeat, HeartbeatAck, Shutdown, StepDone, TrainBatch, WeightsPublished
+from vime.protocol.messages import (
+    Ack, BatchRequest, EvalResult, Group, Heartbeat, HeartbeatAck, Shutdown, StepDone, TrainBatch, WeightsPublished,
+)
+from vime.security import Security
 from vime.slurm.network import advertised_endpoint
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
 from vime.trainer.base import PolicyTrainer
@@ -166,6 +169,8 @@ def rollout_metrics(groups: list[Group], stats: dict[str, float]) -> dict[str, f
         "perf/rollout_busy_s_total": stats.get("rollout_busy_s", 0.0),
         "perf/rollout_update_s_total": stats.get("rollout_update_s", 0.0),
         "perf/reward_busy_s_total": stats.get("reward_busy_s", 0.0),
+        # What the broker measured itself (dynamic sampling counts, ...) arrives already named.
+        **{k: float(v) for k, v in stats.items() if k.startswith("rollout/")},
     }
 
 
@@ -259,6 +264,8 @@ class LeaderLoop:
                 if self.cfg.save_interval and (step + 1) % self.cfg.save_interval == 0:
                     self._save(step)
             self._save(self.cfg.num_rollout - 1)
+            if self.cfg.eval_interval is not None and self.cfg.eval_prompt_data:
+                await self._receive_evals_until_shutdown(heartbeat)
             _command(COMMAND_STOP, self.cfg.num_rollout)
             return 0
         finally:
@@ -272,6 +279,9 @@ class LeaderLoop:
             msg = await self.client.recv(timeout_s=1.0)
             if isinstance(msg, TrainBatch):
                 return msg
+            if isinstance(msg, EvalResult):
+                self._write_eval(msg)
+                continue
             if isinstance(msg, Shutdown):
                 raise BrokerGone(f"broker shut down before step {step}: {msg.reason}")
             if msg is not None and not isinstance(msg, (Ack, HeartbeatAck)):
@@ -289,6 +299,24 @@ class LeaderLoop:
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         log.info("step_done", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
+
+    async def _receive_evals_until_shutdown(self, heartbeat: asyncio.Task[None]) -> None:
+        """After the last step: log eval runs still in flight; the broker says Shutdown after the last."""
+        while True:
+            if heartbeat.done():
+                heartbeat.result()
+            msg = await self.client.recv(timeout_s=1.0)
+            if isinstance(msg, EvalResult):
+                self._write_eval(msg)
+            elif isinstance(msg, Shutdown):
+                return
+
+    def _write_eval(self, msg: EvalResult) -> None:
+        """An eval run's metrics, as their own line at the step whose weights were evaluated."""
+        record = {"step": msg.step, "weight_version": msg.weight_version, "time": time.time(), **msg.metrics}
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        log.info("eval_logged", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
 
     def _save(self, step: int) -> None:
         path = checkpoint_path(self.cfg, step)
@@ -308,8 +336,13 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         if info.rank != 0:
             return follower_loop(trainer, cfg, dtype)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        publisher = WeightPublisher(cfg.weight_bind)
-        client = BrokerClient(cfg.broker_address, "trainer", worker_id)
+        security = Security.from_config(cfg)
+        publisher = WeightPublisher(cfg.weight_bind, security=security)
+        try:
+            client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security)
+        except BaseException:
+            publisher.close()
+            raise
         try:
             return asyncio.run(LeaderLoop(cfg, trainer, client, publisher, dtype).run())
         except BrokerGone as exc:

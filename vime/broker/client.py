@@ -5,6 +5,10 @@ decoded and validated; an `ErrorReply` from the broker is logged (it means this 
 wrong) and a malformed reply is logged and skipped, so a bad frame never kills a worker. If the broker
 stops answering heartbeats for `broker_timeout_s`, `BrokerGone` is raised so the worker can exit
 instead of hanging forever.
+
+Security: the socket is secured by a `vime.security.ClientGuard` (CURVE with this role's key pair when
+keys are configured, else plaintext to loopback only). A broker that refuses the handshake (wrong or
+missing key) is reported at once as `BrokerGone` with the reason, not after the Hello timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import zmq.asyncio
 from vime.logging import get_logger
 from vime.protocol.codec import ProtocolError, decode, encode
 from vime.protocol.messages import Bye, ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
+from vime.security import ClientGuard, HandshakeRejected, Security
 from vime.transport import make_dealer
 
 log = get_logger(__name__)
@@ -39,18 +44,39 @@ def new_worker_id(role: str) -> str:
 
 
 class BrokerClient:
-    def __init__(self, address: str, role: str, worker_id: str | None = None, *, broker_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        role: str,
+        worker_id: str | None = None,
+        *,
+        broker_timeout_s: float = 120.0,
+        security: Security | None = None,
+    ) -> None:
         self.address = address
         self.role = role
         self.worker_id = worker_id or new_worker_id(role)
+        # Raises SecurityError (missing keys, plaintext to a network address) before any socket exists.
+        self.guard = ClientGuard(security, role=role, name=f"{role} broker client", endpoint=address)
         self.context = zmq.asyncio.Context()
-        self.socket = make_dealer(self.context, address, identity=self.worker_id.encode())
+        self.socket = make_dealer(self.context, address, identity=self.worker_id.encode(), guard=self.guard)
         self.broker_timeout_s = broker_timeout_s
         self.last_heard = time.monotonic()
         self.job: JobInfo | None = None
 
-    async def send(self, msg: Message) -> None:
-        await self.socket.send_multipart(encode(msg), copy=False)
+    async def send(self, msg: Message, timeout_s: float | None = None) -> None:
+        """Queue `msg` for the broker; BrokerGone if that is impossible for `timeout_s` (default
+        `broker_timeout_s`). With IMMEDIATE=1 nothing is queued while no connection is up, so without
+        this bound a vanished broker (or one refusing our key) would block the caller forever."""
+        timeout = self.broker_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(encode(msg), copy=False), timeout)
+        except asyncio.TimeoutError:
+            why = f"; last handshake failure: {self.guard.rejection}" if self.guard.rejection else ""
+            raise BrokerGone(
+                f"could not send {type(msg).__name__} to the broker at {self.address} for {timeout:g} s "
+                f"(no connection){why}"
+            ) from None
 
     async def recv(self, timeout_s: float | None = None) -> Message | None:
         """The next valid message, or None on timeout. Invalid input is logged and skipped."""
@@ -75,17 +101,29 @@ class BrokerClient:
         """Introduce this worker; retries until the broker answers (it may start after us)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self.send(
-                Hello(role=self.role, worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
-                      weight_version=weight_version, info=info or {})  # type: ignore[arg-type]
-            )
+            self._raise_if_rejected()
+            try:
+                await self.send(
+                    Hello(role=self.role, worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                          weight_version=weight_version, info=info or {}),  # type: ignore[arg-type]
+                    timeout_s=max(0.1, min(1.0, deadline - time.monotonic())),
+                )
+            except BrokerGone:
+                continue  # not connected (yet): the broker may start after us
             msg = await self.recv(timeout_s=5.0)
             if isinstance(msg, Welcome):
                 self.job = msg.job
                 return msg.job
             if msg is not None:
                 log.warning("unexpected_before_welcome", message=type(msg).__name__)
+        self._raise_if_rejected()
         raise BrokerGone(f"broker at {self.address} did not answer Hello within {timeout_s:.0f} s")
+
+    def _raise_if_rejected(self) -> None:
+        try:
+            self.guard.raise_if_rejected()
+        except HandshakeRejected as exc:
+            raise BrokerGone(str(exc)) from None
 
     async def heartbeat_loop(self, interval_s: float, state: Callable[[], Heartbeat]) -> None:
         """Send heartbeats forever; raise BrokerGone when the broker has been silent too long."""
@@ -148,20 +186,34 @@ def _leave_on_sigterm(task: asyncio.Future[int]) -> asyncio.Event:
     return leaving
 
 
-def query_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Ask a broker for its status (blocking); raises TimeoutError if it does not answer."""
+def query_status(address: str, timeout_s: float = 5.0, *, security: Security | None = None) -> dict[str, Any]:
+    """Ask a broker for its status (blocking), as client "status" under CURVE.
+
+    Raises TimeoutError if it does not answer, HandshakeRejected (a SecurityError) at once if it
+    refuses our key, SecurityError for missing keys or plaintext to a network address.
+    """
+    guard = ClientGuard(security, role="status", name="status client", endpoint=address)
     context = zmq.Context()
-    sock = make_dealer(context, address, identity=f"status-{uuid.uuid4().hex[:8]}".encode())
+    sock = make_dealer(context, address, identity=f"status-{uuid.uuid4().hex[:8]}".encode(), guard=guard)
     try:
-        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        sock.send_multipart(encode(StatusRequest()), copy=False)
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"broker at {address} did not answer within {timeout_s} s")
+        deadline = time.monotonic() + timeout_s
+        while True:  # in slices, so a refused handshake is reported at once rather than as a timeout
+            guard.raise_if_rejected()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"broker at {address} is not reachable")
+            try:
+                sock.send_multipart(encode(StatusRequest()), flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                sock.poll(int(min(remaining, 0.1) * 1000) + 1, zmq.POLLOUT)
+        while not sock.poll(int(min(max(deadline - time.monotonic(), 0), 0.1) * 1000)):
+            guard.raise_if_rejected()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"broker at {address} did not answer within {timeout_s} s")
         msg = decode(sock.recv_multipart(copy=False), (StatusReply,))
         assert isinstance(msg, StatusReply)
         return msg.status
-    except zmq.Again:
-        raise TimeoutError(f"broker at {address} is not reachable") from None
     finally:
         sock.close(linger=0)
         context.term()

@@ -4,8 +4,10 @@ One ROUTER socket serves every worker and status client. Each incoming message i
 validated (`vime.protocol.codec`); anything malformed, oversized, unknown or unexpected for the
 sender's role gets an `ErrorReply` and a structured log line, and changes no state. After each event
 the loop runs dispatch, scoring hand-off and batch filling, then sends what the state produced.
-The loop also expires silent workers (their leased groups are re-queued) and writes a status
-snapshot to the run directory for `vime status` when the broker is not reachable.
+The loop also expires silent workers (their leased groups are re-queued), sends finished eval runs
+to the trainer, warns when a dynamic sampling filter keeps dropping every group (training cannot
+progress then), and writes a status snapshot to the run directory for `vime status` when the broker
+is not reachable.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vime.protocol.messages import (
     Bye,
     Credit,
     ErrorReply,
+    EvalResult,
     GroupsGenerated,
     GroupsScored,
     Heartbeat,
@@ -38,6 +41,7 @@ from vime.protocol.messages import (
     Welcome,
     WeightsPublished,
 )
+from vime.security import Security, ServerGuard
 from vime.transport import make_router
 
 log = get_logger(__name__)
@@ -64,15 +68,27 @@ class BrokerServer:
         *,
         status_path: Path | None = None,
         max_message_bytes: int = 1 << 30,
+        security: Security | None = None,
     ) -> None:
         self.state = state
         self.context = zmq.Context()
-        self.socket = make_router(self.context, bind, max_message_bytes=max_message_bytes)
+        # CURVE + ZAP allow-list, or plaintext on loopback only; SecurityError before anything binds.
+        try:
+            self.guard = ServerGuard(self.context, security, name="broker", endpoint=bind)
+            self.socket = make_router(self.context, bind, max_message_bytes=max_message_bytes, guard=self.guard)
+        except BaseException:
+            if hasattr(self, "guard"):
+                self.guard.close()
+            self.context.term()
+            raise
         self.status_path = status_path
         self.max_message_bytes = max_message_bytes
         self._stop = False
         self._last_status_write = 0.0
         self._last_expiry_check = 0.0
+        self._streak_warn_at = self._first_streak_warning = 4 * max(
+            state.settings.over_sampling_batch_size or 0, state.settings.rollout_batch_size
+        )
 
     def stop(self, *_: Any) -> None:
         self._stop = True
@@ -101,6 +117,7 @@ class BrokerServer:
         self._write_status(time.monotonic(), force=True)
         log.info("broker_stopped", **self.state.counters)
         self.socket.close(linger=500)
+        self.guard.close()  # the ZAP thread's socket would keep term() waiting
         self.context.term()
 
     def _housekeeping(self, now: float) -> None:
@@ -111,7 +128,25 @@ class BrokerServer:
         self._send(self.state.dispatch())
         self._send(self.state.dispatch_scoring())
         self._send(self.state.try_fill_batch(now))
+        evals = self.state.poll_evals()
+        for step, msg in {m.step: m for _, m in evals if isinstance(m, EvalResult)}.items():
+            passes = {k: round(v, 4) for k, v in msg.metrics.items() if "/pass@" in k or k.endswith("/reward_mean")}
+            seconds = round(msg.metrics.get("eval/time_s", 0.0), 3)
+            log.info("eval_done", eval_step=step, eval_version=msg.weight_version, seconds=seconds, **passes)
+        self._send(evals)
+        self._warn_if_filter_starves()
         self._write_status(now)
+
+    def _warn_if_filter_starves(self) -> None:
+        streak = self.state.filter_streak
+        if streak < self._first_streak_warning:
+            self._streak_warn_at = self._first_streak_warning
+        elif streak >= self._streak_warn_at:
+            self._streak_warn_at *= 2
+            log.warning(
+                "dynamic_filter_starving", dropped_in_a_row=streak, reasons=dict(self.state.filter_reasons.most_common(3)),
+                hint="every recent group was filtered out; training waits until one is kept",
+            )  # fmt: skip
 
     def _handle(self, frames: list[Any], now: float) -> None:
         identity, payload = frames[0].bytes, frames[1:]
@@ -151,7 +186,7 @@ class BrokerServer:
             accepted = state.on_generated(identity, msg.groups)
             self._send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, GroupsScored):
-            accepted = state.on_scored(identity, msg.scores)
+            accepted = state.on_scored(identity, msg.scores, now)
             self._send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, BatchRequest):
             state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now)
@@ -160,7 +195,7 @@ class BrokerServer:
             bind_progress(step=state.trained_steps)
             self._send([(identity, Ack(ids=[str(msg.step)]))])
         elif isinstance(msg, WeightsPublished):
-            self._send(state.on_weights_published(msg.version, msg.endpoint))
+            self._send(state.on_weights_published(msg.version, msg.endpoint, msg.step, now))
             bind_progress(weight_version=state.published_version)
             log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
             self._send([(identity, Ack(ids=[str(msg.version)]))])

@@ -15,6 +15,25 @@ Staleness (weight versions are publication counts; tokens carry the version that
   dropped for being slow. `max_staleness = 0` is synchronous on-policy training.
 - Batches take the earliest-dispatched trainable groups first, so slow (long) groups are not starved.
 
+Dynamic sampling (`vime.filters`): a scored group the filter drops (e.g. all rewards equal: no GRPO
+signal) never enters the buffer. Like a group whose samples all failed, it leaves `committed`, so
+admission hands its slot to a fresh prompt and every step still gets `rollout_batch_size` useful
+groups. Refilling only after a drop costs a generation round trip, so with `over_sampling_batch_size`
+N the limit above bounds the groups expected to be *kept*: with K groups kept (buffered, training or
+trained) and the rest unscored, admission continues while
+  unscored < (limit - K) / r,   r = max(recent keep rate, rollout_batch_size / N)
+(N / rollout_batch_size times as many groups in flight at most, fewer when the filter drops less;
+a filter that drops nothing costs no over-generation). More survivors than expected (chance) are
+trained later if still fresh, else dropped by the gate and counted as stale. Filtered groups are
+counted (total and by reason), never lost:
+  groups_admitted = committed + groups_filtered + groups_failed + groups_dropped_stale.
+
+Eval (`vime.eval`): when the trainer publishes weights after a step due for eval, the run's groups
+(kind "eval", pinned to that weight version) go to rollout workers ahead of training work, then to
+reward workers, then to the eval tracker, never to the buffer; they are outside `committed` and the
+admission limit. The finished run's metrics go to the trainer as `EvalResult`. After the last step the
+job finishes once every eval run (including the final step's) has been delivered.
+
 Leases: a worker that says Bye or stays silent past its timeout loses its leased groups; generating
 groups go back to the retry queue (regenerated from scratch), scoring groups back to the scoring queue.
 A late result for a group no longer leased to that worker is dropped by id and counted.
@@ -22,15 +41,20 @@ A late result for a group no longer leased to that worker is dropped by id and c
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vime.data.prompts import PromptCursor
+from vime.eval import EvalSet, EvalTracker
+from vime.filters import FilterDecision
 from vime.protocol.messages import (
     DispatchGroups,
+    EvalResult,
     Group,
     GroupScores,
     JobInfo,
@@ -40,6 +64,9 @@ from vime.protocol.messages import (
     TrainBatch,
     WeightVersionAnnounce,
 )
+
+if TYPE_CHECKING:
+    from vime.config import VimeConfig
 
 Outgoing = list[tuple[bytes, Message]]
 
@@ -66,10 +93,51 @@ class BrokerSettings:
     worker_timeout_s: float
     sampling: dict[str, Any]
     rm_type: str = "arithmetic"
+    # Dynamic sampling: prompts dispatched per step when the filter drops groups (None: no over-sampling).
+    over_sampling_batch_size: int | None = None
+    # Eval: every `eval_interval` steps (None: never), on `eval_sampling`, `n_samples_per_eval_prompt` each.
+    eval_interval: int | None = None
+    eval_before_train: bool = True
+    n_samples_per_eval_prompt: int = 1
+    eval_sampling: dict[str, Any] = field(default_factory=dict)
+    eval_pass_threshold: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: VimeConfig) -> BrokerSettings:
+        return cls(
+            rollout_batch_size=cfg.rollout_batch_size,
+            n_samples_per_prompt=cfg.n_samples_per_prompt,
+            max_staleness=cfg.max_staleness,
+            update_weights_interval=cfg.update_weights_interval,
+            num_rollout=cfg.num_rollout,
+            worker_timeout_s=cfg.worker_timeout_s,
+            sampling={
+                "temperature": cfg.rollout_temperature,
+                "top_p": cfg.rollout_top_p,
+                "max_tokens": cfg.rollout_max_response_len,
+            },
+            rm_type=cfg.rm_type,
+            over_sampling_batch_size=cfg.over_sampling_batch_size,
+            eval_interval=cfg.eval_interval if cfg.eval_prompt_data else None,
+            eval_before_train=not cfg.skip_eval_before_train,
+            n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
+            eval_sampling=cfg.eval_sampling if cfg.eval_interval else {},
+            eval_pass_threshold=cfg.eval_pass_threshold,
+        )
 
     @property
     def groups_per_version(self) -> int:
         return self.rollout_batch_size * self.update_weights_interval
+
+    @property
+    def lookahead_steps(self) -> int:
+        """Training steps admission runs ahead of the published weights."""
+        return (self.max_staleness + 1) * self.update_weights_interval
+
+    @property
+    def over_sampling_extra(self) -> int:
+        """Extra prompts per step that over-sampling may dispatch (0 without it)."""
+        return max(0, (self.over_sampling_batch_size or self.rollout_batch_size) - self.rollout_batch_size)
 
 
 @dataclass
@@ -81,10 +149,39 @@ class PendingBatch:
     since: float
 
 
+GroupFilter = Callable[[Group], FilterDecision]
+# Distinct filter drop reasons kept in the status; more are counted under "other" (a filter that puts
+# a group id in its reason must not grow the status without bound).
+MAX_FILTER_REASONS = 32
+
+
 class BrokerState:
-    def __init__(self, settings: BrokerSettings, cursor: PromptCursor) -> None:
+    def __init__(
+        self, settings: BrokerSettings, cursor: PromptCursor, *, group_filter: GroupFilter | None = None,
+        eval_sets: Sequence[EvalSet] = (),
+    ) -> None:  # fmt: skip
         self.settings = settings
         self.cursor = cursor
+        self.group_filter = group_filter
+        # Keep/drop decisions of the most recent scored groups: the keep rate that sizes over-sampling.
+        # Four admission windows long: short enough to follow a rate that drifts as the policy learns,
+        # long enough that chance runs of drops do not make admission over-generate.
+        window = 4 * settings.lookahead_steps * (settings.over_sampling_batch_size or settings.rollout_batch_size)
+        self.filter_window: deque[bool] = deque(maxlen=max(window, settings.rollout_batch_size))
+        self.filter_reasons: Counter[str] = Counter()
+        self.filter_streak = 0  # groups dropped in a row: a filter that keeps nothing stalls training
+        self._filter_at_last_batch = (0, 0)
+        self.evals: EvalTracker | None = None
+        if settings.eval_interval is not None and eval_sets:
+            self.evals = EvalTracker(
+                eval_sets, n_samples=settings.n_samples_per_eval_prompt, interval=settings.eval_interval,
+                before_train=settings.eval_before_train, threshold=settings.eval_pass_threshold,
+                num_rollout=settings.num_rollout,
+            )  # fmt: skip
+        self.eval_queue: deque[Group] = deque()
+        self._eval_active: set[str] = set()  # eval groups generating, waiting for or being scored
+        self.eval_outbox: list[EvalResult] = []
+        self.training_done = False
         self.workers: dict[bytes, WorkerInfo] = {}
         self.retry_queue: deque[Group] = deque()
         self.generating: dict[str, tuple[Group, bytes]] = {}
@@ -106,6 +203,14 @@ class BrokerState:
             "groups_trained": 0,
             "groups_dropped_stale": 0,
             "groups_failed": 0,
+            "groups_admitted": 0,
+            "groups_filtered": 0,
+            "groups_filter_kept": 0,
+            "filter_errors": 0,
+            "eval_runs_started": 0,
+            "eval_runs_done": 0,
+            "eval_groups_dispatched": 0,
+            "eval_groups_scored": 0,
             "groups_requeued": 0,
             "samples_failed": 0,
             "late_results_dropped": 0,
@@ -129,6 +234,7 @@ class BrokerState:
             weight_endpoint=self.weight_endpoint,
             max_staleness=self.settings.max_staleness,
             rm_type=self.settings.rm_type,
+            eval_sampling=self.settings.eval_sampling,
         )
 
     def touch(self, identity: bytes, now: float, weight_version: int | None = None, stats: dict[str, Any] | None = None) -> bool:
@@ -159,11 +265,15 @@ class BrokerState:
         return dead
 
     def _release_leases(self, worker: WorkerInfo) -> None:
-        for group_id in sorted(worker.leased, key=lambda g: self.dispatch_seq.get(g, 0), reverse=True):
+        for group_id in sorted(worker.leased, key=lambda g: (self.dispatch_seq.get(g, 0), g), reverse=True):
             if group_id in self.generating:
                 group, _ = self.generating.pop(group_id)
                 group.samples = []
-                self.retry_queue.appendleft(group)
+                if group_id in self._eval_active:
+                    self._eval_active.discard(group_id)
+                    self.eval_queue.appendleft(group)
+                else:
+                    self.retry_queue.appendleft(group)
                 self.counters["groups_requeued"] += 1
             elif group_id in self.scoring:
                 group, _ = self.scoring.pop(group_id)
@@ -179,7 +289,8 @@ class BrokerState:
 
     @property
     def committed(self) -> int:
-        """Groups admitted and not dropped: trained, in training, buffered, or on their way there."""
+        """Training groups admitted and not dropped: trained, in training, buffered, or on their way
+        there (eval groups are not training work and do not count)."""
         return (
             self.counters["groups_trained"]
             + len(self.training)
@@ -188,16 +299,52 @@ class BrokerState:
             + len(self.to_score)
             + len(self.generating)
             + len(self.retry_queue)
+            - len(self._eval_active)
         )
 
     @property
-    def admission_limit(self) -> int:
+    def keep_rate(self) -> float | None:
+        """Fraction of recently scored groups the filter kept; None until a batch's worth was seen."""
+        if self.group_filter is None or len(self.filter_window) < self.settings.rollout_batch_size:
+            return None
+        return sum(self.filter_window) / len(self.filter_window)
+
+    @property
+    def expected_keep_rate(self) -> float:
+        """The fraction of unscored groups admission expects the filter to keep: the recent keep rate,
+        floored at rollout_batch_size / over_sampling_batch_size (1.0 without over-sampling)."""
+        s = self.settings
+        if self.group_filter is None or s.over_sampling_extra == 0:
+            return 1.0
+        floor = s.rollout_batch_size / (s.rollout_batch_size + s.over_sampling_extra)
+        recent = self.keep_rate
+        return floor if recent is None else max(recent, floor)
+
+    @property
+    def _base_limit(self) -> int:
         s = self.settings
         by_staleness = (self.published_version + s.max_staleness + 1) * s.groups_per_version
         return min(by_staleness, s.num_rollout * s.rollout_batch_size)
 
+    @property
+    def admission_limit(self) -> int:
+        """Admit while `committed` is below this (see the module docstring)."""
+        base = self._base_limit
+        rate = self.expected_keep_rate
+        if rate >= 1.0:
+            return base
+        kept = self.counters["groups_trained"] + len(self.training) + len(self.buffer)
+        headroom = max(0, base - kept)
+        return kept + math.ceil(headroom / rate - 1e-9)
+
+    @property
+    def over_sampling_margin(self) -> int:
+        """Groups admitted beyond the staleness limit because the filter is expected to drop them."""
+        return max(0, self.admission_limit - self._base_limit)
+
     def dispatch(self) -> Outgoing:
-        """Hand groups to rollout workers with credits, as far as admission allows."""
+        """Hand groups to rollout workers with credits: eval groups first, then training groups as far
+        as admission allows (none once every training step is done)."""
         if self.finished:
             return []
         out: Outgoing = []
@@ -206,17 +353,25 @@ class BrokerState:
             worker = self._worker_with_credit("rollout")
             if worker is None:
                 break
-            if self.retry_queue:
-                group = self.retry_queue.popleft()
-            elif self.committed < self.admission_limit:
-                group = self._new_group()
+            if self.eval_queue:
+                # Eval first: the sooner it starts, the likelier workers still hold the run's version.
+                group = self.eval_queue.popleft()
+                self._eval_active.add(group.group_id)
+                self.counters["eval_groups_dispatched"] += 1
             else:
-                break
-            group.min_weight_version = self.published_version
+                if self.training_done:
+                    break
+                if self.retry_queue:
+                    group = self.retry_queue.popleft()
+                elif self.committed < self.admission_limit:
+                    group = self._new_group()
+                else:
+                    break
+                group.min_weight_version = self.published_version
+                self.counters["groups_dispatched"] += 1
             worker.credits -= 1
             worker.leased.add(group.group_id)
             self.generating[group.group_id] = (group, worker.identity)
-            self.counters["groups_dispatched"] += 1
             batches.setdefault(worker.identity, []).append(group)
         for identity, groups in batches.items():
             out.append((identity, DispatchGroups(groups=groups)))
@@ -227,6 +382,7 @@ class BrokerState:
         group_id = f"e{epoch}-p{prompt.index}"
         self.dispatch_seq[group_id] = self._next_seq
         self._next_seq += 1
+        self.counters["groups_admitted"] += 1
         return Group(
             group_id=group_id,
             prompt_index=prompt.index,
@@ -259,8 +415,12 @@ class BrokerState:
             del self.generating[group.group_id]
             if worker is not None:
                 worker.leased.discard(group.group_id)
+            # The broker's own record decides what the group is for, not the worker's copy of it.
+            group.kind = "eval" if group.group_id in self._eval_active else "train"
+            group.min_weight_version = lease[0].min_weight_version
             self.to_score.append(group)
-            self.counters["groups_generated"] += 1
+            if group.kind == "train":
+                self.counters["groups_generated"] += 1
             accepted.append(group.group_id)
         return accepted
 
@@ -280,7 +440,7 @@ class BrokerState:
             out.append((identity, ScoreGroups(groups=groups)))
         return out
 
-    def on_scored(self, identity: bytes, scores: list[GroupScores]) -> list[str]:
+    def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:
         accepted = []
         worker = self.workers.get(identity)
         for score in scores:
@@ -296,11 +456,11 @@ class BrokerState:
             del self.scoring[score.group_id]
             if worker is not None:
                 worker.leased.discard(score.group_id)
-            self._attach_scores(group, score)
+            self._attach_scores(group, score, now)
             accepted.append(score.group_id)
         return accepted
 
-    def _attach_scores(self, group: Group, score: GroupScores) -> None:
+    def _attach_scores(self, group: Group, score: GroupScores, now: float) -> None:
         kept = []
         for sample, reward, failed, reason, extra in zip(
             group.samples, score.rewards, score.failed, score.reasons, score.extras or [{}] * len(score.rewards)
@@ -308,17 +468,45 @@ class BrokerState:
             if failed:
                 sample.status = "failed"
                 sample.failure_reason = reason or "reward failed"
-                self.counters["samples_failed"] += 1
+                if group.kind == "train":
+                    self.counters["samples_failed"] += 1
                 continue
             sample.reward = float(reward)
             sample.reward_extra = extra
             kept.append(sample)
+        if group.kind == "eval":
+            # Eval samples end here: pass@k counts the failed ones separately, nothing is trained.
+            self._eval_active.discard(group.group_id)
+            self.counters["eval_groups_scored"] += 1
+            if self.evals is not None:
+                self.evals.record(group, now)
+            return
         self.counters["groups_scored"] += 1
         if not kept:
             self.counters["groups_failed"] += 1
             return
         group.samples = kept
+        if self.group_filter is not None and not self._passes_filter(group):
+            return
         self.buffer[group.group_id] = group
+
+    def _passes_filter(self, group: Group) -> bool:
+        """Run the dynamic sampling filter on a scored group and count the decision."""
+        decision = self.group_filter(group)  # type: ignore[misc]
+        self.filter_window.append(decision.keep)
+        if decision.error:
+            self.counters["filter_errors"] += 1
+        if decision.keep:
+            self.counters["groups_filter_kept"] += 1
+            self.filter_streak = 0
+            return True
+        self.counters["groups_filtered"] += 1
+        self.filter_streak += 1
+        reason = (decision.reason or "dropped")[:80]
+        if reason not in self.filter_reasons and len(self.filter_reasons) >= MAX_FILTER_REASONS:
+            reason = "other"
+        self.filter_reasons[reason] += 1
+        return False
 
     # --- training ------------------------------------------------------------------------------
 
@@ -351,8 +539,23 @@ class BrokerState:
             "rollout_update_s": self._sum_stat("rollout", "update_s"),
             "reward_busy_s": self._sum_stat("reward", "busy_s"),
         }
+        if self.group_filter is not None:
+            stats.update(self._filter_stats())
         self.pending_batch = None
         return [(pending.identity, TrainBatch(step=pending.step, groups=groups, stats=stats))]
+
+    def _filter_stats(self) -> dict[str, float]:
+        """Dynamic sampling metrics for the trainer's log ("rollout/..." keys are logged as they are):
+        groups dropped and kept since the previous batch, the cumulative drop ratio, and the margin."""
+        dropped, kept = self.counters["groups_filtered"], self.counters["groups_filter_kept"]
+        last_dropped, last_kept = self._filter_at_last_batch
+        self._filter_at_last_batch = (dropped, kept)
+        return {
+            "rollout/dynamic_filter_dropped": float(dropped - last_dropped),
+            "rollout/dynamic_filter_kept": float(kept - last_kept),
+            "rollout/dynamic_filter_drop_ratio": dropped / max(1, dropped + kept),
+            "rollout/over_sampling_margin": float(self.over_sampling_margin),
+        }
 
     def _sum_stat(self, role: str, key: str) -> float:
         return float(sum(float(w.stats.get(key, 0.0)) for w in self.workers.values() if w.role == role))
@@ -363,17 +566,45 @@ class BrokerState:
                 self.counters["groups_trained"] += 1
         self.trained_steps = max(self.trained_steps, step + 1)
         if self.trained_steps >= self.settings.num_rollout:
-            self.finished = True
-            return [(w.identity, Shutdown(reason="training finished")) for w in self.workers.values()]
-        return []
+            self.training_done = True
+        return self._maybe_finish()
 
-    def on_weights_published(self, version: int, endpoint: str) -> Outgoing:
-        if version <= self.published_version and self.weight_endpoint == endpoint:
+    def _maybe_finish(self) -> Outgoing:
+        """Finish (tell every worker to shut down) once training is done and no eval is outstanding."""
+        if self.finished or not self.training_done:
             return []
-        self.published_version = max(self.published_version, version)
-        self.weight_endpoint = endpoint
-        announce = WeightVersionAnnounce(version=self.published_version, endpoint=endpoint)
-        return [(w.identity, announce) for w in self.workers.values() if w.role == "rollout"]
+        if self.eval_outbox or (self.evals is not None and self.evals.busy):
+            return []
+        self.finished = True
+        return [(w.identity, Shutdown(reason="training finished")) for w in self.workers.values()]
+
+    def on_weights_published(self, version: int, endpoint: str, step: int | None = None, now: float = 0.0) -> Outgoing:
+        """Record and announce a new version; start the eval run of `step` (the trainer step whose
+        weights these are, -1 for the initial ones) if one is due."""
+        out: Outgoing = []
+        if version > self.published_version or self.weight_endpoint != endpoint:
+            self.published_version = max(self.published_version, version)
+            self.weight_endpoint = endpoint
+            announce = WeightVersionAnnounce(version=self.published_version, endpoint=endpoint)
+            out = [(w.identity, announce) for w in self.workers.values() if w.role == "rollout"]
+        if step is not None and self.evals is not None and self.evals.is_due(step):
+            groups = self.evals.start(step, version, now)
+            self.eval_queue.extend(groups)
+            self.counters["eval_runs_started"] += 1
+        return out
+
+    def poll_evals(self) -> Outgoing:
+        """Send finished eval runs to the trainer (kept until one is connected), then finish if due."""
+        if self.evals is not None:
+            finished = self.evals.pop_finished()
+            self.counters["eval_runs_done"] += len(finished)
+            self.eval_outbox.extend(finished)
+        out: Outgoing = []
+        trainers = [w for w in self.workers.values() if w.role == "trainer"]
+        if self.eval_outbox and trainers:
+            out = [(t.identity, result) for result in self.eval_outbox for t in trainers]
+            self.eval_outbox = []
+        return out + self._maybe_finish()
 
     # --- status --------------------------------------------------------------------------------
 
@@ -385,6 +616,7 @@ class BrokerState:
             "admission_limit": self.admission_limit,
             "committed": self.committed,
             "queues": {
+                "eval": len(self.eval_queue),
                 "retry": len(self.retry_queue),
                 "generating": len(self.generating),
                 "to_score": len(self.to_score),
@@ -393,6 +625,8 @@ class BrokerState:
                 "training": len(self.training),
             },
             "counters": dict(self.counters),
+            "dynamic_sampling": self._dynamic_sampling_status(),
+            "eval": self.evals.status() if self.evals is not None else None,
             "workers": [
                 {
                     "worker_id": w.worker_id,
@@ -405,4 +639,20 @@ class BrokerState:
                 }
                 for w in self.workers.values()
             ],
+        }
+
+    def _dynamic_sampling_status(self) -> dict[str, Any] | None:
+        if self.group_filter is None:
+            return None
+        dropped, kept = self.counters["groups_filtered"], self.counters["groups_filter_kept"]
+        return {
+            "dropped": dropped,
+            "kept": kept,
+            "drop_ratio": round(dropped / max(1, dropped + kept), 4),
+            "recent_keep_rate": self.keep_rate,
+            "over_sampling_batch_size": self.settings.over_sampling_batch_size,
+            "over_sampling_margin": self.over_sampling_margin,
+            "dropped_in_a_row": self.filter_streak,
+            "errors": self.counters["filter_errors"],
+            "reasons": dict(self.filter_reasons),
         }

@@ -11,7 +11,7 @@ Conversation shapes (worker -> broker, broker -> worker):
   worker returns GroupsGenerated -> Ack. WeightVersionAnnounce tells it a newer version exists.
 - reward: Credit(n); broker sends ScoreGroups; worker returns GroupsScored -> Ack.
 - trainer: BatchRequest -> TrainBatch (held until enough admissible groups exist);
-  StepDone and WeightsPublished -> Ack.
+  StepDone and WeightsPublished -> Ack. EvalResult (broker -> trainer) when an eval run is scored.
 - status: StatusRequest -> StatusReply.
 - any malformed or unexpected message -> ErrorReply; Shutdown ends a worker.
 """
@@ -74,6 +74,10 @@ class Group(Message, tag="group"):
     # The rollout worker must hold at least this weight version before it starts generating.
     min_weight_version: int = 0
     samples: list[Sample] = []
+    # "eval": generated with the job's eval sampling for an eval run at weight version
+    # `min_weight_version`, scored, and never trained on (the broker keeps its own record of the
+    # kind, so a worker cannot turn eval work into training data).
+    kind: Literal["train", "eval"] = "train"
 
     def validate(self) -> None:
         _length_of(self.prompt_tokens, "int32", f"group {self.group_id} prompt_tokens")
@@ -133,6 +137,8 @@ class JobInfo(Message, tag="job_info"):
     weight_endpoint: str | None
     max_staleness: int
     rm_type: str = "arithmetic"
+    # Sampling of eval groups (temperature, top_p, max_tokens); empty when the job runs no eval.
+    eval_sampling: dict[str, Any] = {}
 
 
 class Welcome(Message, tag="welcome"):
@@ -250,6 +256,20 @@ class StepDone(Message, tag="step_done"):
     step: int
     group_ids: list[str]
     metrics: dict[str, float] = {}
+
+
+class EvalResult(Message, tag="eval_result"):
+    """An eval run's metrics (`eval/<name>/pass@k`, ...), taken on the weights after training step
+    `step` (-1: before training) = weight version `weight_version`."""
+
+    step: int
+    weight_version: int
+    metrics: dict[str, float]
+
+    def validate(self) -> None:
+        require(self.step >= -1, f"eval step must be >= -1, got {self.step}")
+        for key, value in self.metrics.items():
+            require(bool(np.isfinite(value)), f"eval metric {key} = {value} is not finite")
 
 
 class WeightsPublished(Message, tag="weights_published"):

@@ -117,6 +117,21 @@ def write_job(
     return text, script
 
 
+def with_job_keys(cfg: VimeConfig) -> VimeConfig:
+    """A SLURM job's processes talk across nodes, so they use CURVE (docs/reliability.md): unless the
+    config names its keys (--curve-keys-dir) or opts out (--allow-insecure), keys for the job are made
+    (or reused) in RUN_DIR/keys, owner-only, and the written config points every process at them."""
+    if cfg.curve_keys_dir is not None or cfg.allow_insecure:
+        return cfg
+    from vime.security import create_keys
+
+    keys = (Path.cwd() / cfg.run_dir / "keys").resolve()
+    create_keys(keys)
+    print(f"vime slurm: CURVE keys of this job in {keys} (--curve-keys-dir DIR: your own; --allow-insecure: none)",
+          file=sys.stderr)  # fmt: skip
+    return cfg.model_copy(update={"curve_keys_dir": keys})
+
+
 def submit(script: Path, *, wait: bool) -> int:
     """sbatch the script; with `wait`, block until the job ends and return its exit code."""
     sbatch = shutil.which("sbatch")
@@ -147,6 +162,7 @@ def main(argv: list[str]) -> int:
     generated_by = "vime slurm " + shlex.join(argv)
     try:
         layout = plan_layout(cfg, options_from_args(args))
+        cfg = with_job_keys(cfg)
         text, script = write_job(cfg, layout, output=args.output, generated_by=generated_by)
     except ConfigError as exc:
         print(f"vime slurm: {exc}", file=sys.stderr)
@@ -166,4 +182,4 @@ def main(argv: list[str]) -> int:
     return submit(script, wait=args.wait)
 
 
-__all__ = ["build_parser", "main", "options_from_args", "submit", "write_job"]
+__all__ = ["build_parser", "main", "options_from_args", "submit", "with_job_keys", "write_job"]

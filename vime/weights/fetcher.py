@@ -31,7 +31,17 @@ Waits and failures (all raise `WeightFetchError`, whose message names the endpoi
 - a chunk failed its checksum `MAX_CHUNK_RETRIES + 1` times, or the publisher refused a request in a
   way a retry cannot fix.
 If the publisher drops the version being fetched (it published newer ones), the fetch restarts on the
-latest version, at most `MAX_RESTARTS` times.
+latest version, at most `MAX_RESTARTS` times. A publisher that refuses the connection's handshake
+(wrong or missing CURVE key) fails the fetch at once, with the reason, instead of after `timeout_s`.
+After any failure the same fetcher can fetch again (replies of the abandoned attempt are dropped by
+their fetch id).
+
+Security: the socket is secured by a `vime.security.ClientGuard` as client "rollout": CURVE with
+`KEYS_DIR/clients/rollout.key_secret` when keys are configured, else plaintext to loopback only.
+`security=None` reads the settings from the environment (`VIME_CURVE_KEYS_DIR`,
+`VIME_ALLOW_INSECURE`), because fetchers run inside vLLM's worker processes, which vime does not
+start itself; the rollout worker exports them. The constructor raises `SecurityError` (not
+`WeightFetchError`) for missing keys or plaintext to a network address.
 
 Not thread-safe: one fetch at a time per fetcher. Create it after any fork.
 """
@@ -51,6 +61,7 @@ import zmq
 
 from vime.logging import get_logger
 from vime.protocol.codec import DEFAULT_MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+from vime.security import ClientGuard, Security
 from vime.protocol.weights import (
     ERROR_NOT_READY,
     ERROR_SUPERSEDED,
@@ -79,6 +90,12 @@ _NOT_READY_BACKOFF_S = (0.01, 0.25)
 # How long to wait for the ack of WeightFetchDone; the weights are already verified, so a missing ack
 # is only logged.
 _ACK_WAIT_S = 1.0
+# While waiting to connect, how often to look whether the publisher refused our handshake.
+_CONNECT_SLICE_S = 0.1
+# ZMTP heartbeats: a publisher that answers no PING for this long is disconnected (then IMMEDIATE=1
+# makes requests fail fast instead of queueing for it).
+_HEARTBEAT_IVL_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 30_000
 
 
 class WeightFetchError(RuntimeError):
@@ -111,7 +128,13 @@ class WeightFetcher:
     """
 
     def __init__(
-        self, endpoint: str, *, timeout_s: float = 60.0, window: int = 4, reuse_buffer: bool = False
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 60.0,
+        window: int = 4,
+        reuse_buffer: bool = False,
+        security: Security | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -125,6 +148,9 @@ class WeightFetcher:
         self._kept_free_refs = 0  # refcount of `_kept` when nothing but the fetcher holds it
         # Test hook: called with the chunk index after each verified chunk (e.g. to publish mid-fetch).
         self._after_chunk: Callable[[int], None] | None = None
+        self._guard = ClientGuard(
+            Security.from_env() if security is None else security, role="rollout", name="weight fetcher", endpoint=endpoint
+        )  # fmt: skip
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)  # close() must not block on unsent requests
@@ -133,6 +159,9 @@ class WeightFetcher:
         self._sock.setsockopt(zmq.RCVHWM, 4 * MAX_WINDOW)
         # Guards against a peer that sends absurd frames: the largest legal frame is a chunk or a header.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES) + (64 << 10))
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self._guard.secure(self._sock)
         self._sock.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -307,19 +336,24 @@ class WeightFetcher:
     # --- socket helpers --------------------------------------------------------------------------
 
     def _send(self, msg: Message, deadline: float) -> None:
-        """Send once the publisher is connected; raise if it is not connected by `deadline`."""
+        """Send once the publisher is connected; raise if it is not connected by `deadline`, or at once
+        if it refused our handshake."""
         while True:
             try:
                 self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
                 pass  # IMMEDIATE: no live connection yet (or the queue is full); wait for POLLOUT
+            rejection = self._guard.rejection
+            if rejection is not None:
+                raise WeightFetchError(f"the weight publisher at {self._endpoint} refused the connection: {rejection}")
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
+            if remaining <= 0:
                 raise WeightFetchError(
                     f"could not connect to the weight publisher at {self._endpoint} within "
                     f"{self._timeout_s:g} s (is it running?)"
                 )
+            self._sock.poll(int(min(remaining, _CONNECT_SLICE_S) * 1000) + 1, zmq.POLLOUT)
 
     def _recv(self, fetch_id: int, deadline: float, *, waiting_for: str) -> Message:
         """The next reply of this fetch; replies of earlier fetches are dropped. Raise at `deadline`."""

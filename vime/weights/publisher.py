@@ -20,6 +20,17 @@ unsupported dtype, before anything changes. The server thread never dies on inpu
 unexpected requests get a `WeightError` reply and a log line; a bug while handling a request is logged
 with its traceback and answered `internal`. Replies to peers that vanished or stopped reading are
 dropped (ROUTER_MANDATORY turns those into errors we can log instead of silent drops).
+
+Stuck fetchers never block the trainer: `publish` waits for no fetcher, replies are sent without
+blocking, and a fetch is tracked (peer, version, chunks served) only to report it: one that sends no
+request for `stall_timeout_s` is given up, logged as "weight fetch stalled" naming the version and the
+peer, and counted in `stalled_fetches`. ZMTP heartbeats close connections to peers that stop
+answering altogether (a frozen process), which frees the chunk frames queued for them.
+
+Security: the ROUTER is secured by a `vime.security.ServerGuard`: CURVE with the job's server key and
+the ZAP allow-list when `security` has keys, else plaintext on loopback only (SecurityError at
+construction otherwise). MAXMSGSIZE (`MAX_REQUEST_BYTES`) makes libzmq drop any larger message, and the
+connection that sent it, before buffering it.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import zmq
 
 from vime.logging import get_logger
 from vime.protocol.codec import Message, ProtocolError, decode, encode
+from vime.security import Security, ServerGuard, peer_of
 from vime.protocol.weights import (
     CHECKSUM_ALGORITHM,
     DEFAULT_CHUNK_BYTES,
@@ -73,6 +85,25 @@ _RCVHWM = 1024
 _BURST = 64
 # A held snapshot's list of chunk-send trackers is pruned of finished ones past this length.
 _PRUNE_TRACKERS = 256
+# Fetches tracked at once (for stall reports); beyond it the oldest record is forgotten, so a peer
+# that floods manifest requests cannot grow the publisher's memory.
+_MAX_TRACKED_FETCHES = 4096
+# How often the server thread wakes without requests, to give up on stalled fetches.
+_HOUSEKEEPING_S = 1.0
+# ZMTP heartbeats: a peer that answers no PING for this long is disconnected by libzmq.
+_HEARTBEAT_IVL_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 30_000
+
+
+@dataclass
+class _Fetch:
+    """One fetch in progress, as the publisher sees it (server thread only)."""
+
+    version: int
+    peer: str
+    started: float
+    last_seen: float
+    chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,12 +172,23 @@ class WeightPublisher:
     """
 
     def __init__(
-        self, bind: str = "tcp://127.0.0.1:*", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 2
+        self,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep: int = 2,
+        security: Security | None = None,
+        stall_timeout_s: float = 60.0,
     ) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self._stall_timeout_s = float(stall_timeout_s)
+        self._fetches: dict[tuple[bytes, int], _Fetch] = {}  # (peer identity, fetch_id); server thread only
+        self.stalled_fetches = 0  # fetches given up for silence (read from any thread)
         self._chunk_bytes = chunk_bytes
         self._keep = keep
         self._snapshots: dict[int, _Snapshot] = {}  # guarded by _lock; the server thread reads it
@@ -160,20 +202,29 @@ class WeightPublisher:
 
         # Own context: the trainer process may have others (or fork-unsafe ones); ours ends with us.
         self._ctx = zmq.Context()
+        try:  # SecurityError (missing keys, plaintext on a network address) before anything binds
+            self._guard = ServerGuard(self._ctx, security, name="weight publisher", endpoint=bind)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)  # close() must not wait for slow fetchers
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise instead of vanishing
         self._router.setsockopt(zmq.SNDHWM, _SNDHWM)
         self._router.setsockopt(zmq.RCVHWM, _RCVHWM)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # requests are tiny; drop floods
+        self._router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self._guard.secure(self._router)
         try:
             self._router.bind(bind)
         except zmq.ZMQError:
             self._router.close()
+            self._guard.close()
             self._ctx.term()
             raise
         self._endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        # close() wakes the server thread through this pair instead of a polling timeout.
+        # close() wakes the server thread at once through this pair (it otherwise wakes every second).
         wake_addr = f"inproc://vime-weights-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(wake_addr)
@@ -316,6 +367,7 @@ class WeightPublisher:
             log.error("weight publisher thread did not stop; leaking its sockets")
             return
         self._wake_tx.close()
+        self._guard.close()  # the ZAP thread's socket would keep term() waiting
         self._ctx.term()
         with self._lock:
             self._snapshots.clear()
@@ -333,9 +385,10 @@ class WeightPublisher:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        last_housekeeping = time.monotonic()
         try:
             while True:
-                events = dict(poller.poll())
+                events = dict(poller.poll(int(_HOUSEKEEPING_S * 1000)))
                 if self._wake_rx in events:
                     return
                 for _ in range(_BURST):
@@ -344,6 +397,10 @@ class WeightPublisher:
                     except zmq.Again:
                         break
                     self._handle(frames)
+                now = time.monotonic()
+                if now - last_housekeeping >= _HOUSEKEEPING_S:
+                    last_housekeeping = now
+                    self._give_up_stalled(now)
         finally:
             self._router.close()
             self._wake_rx.close()
@@ -366,15 +423,25 @@ class WeightPublisher:
                 # send is about to point into.
                 with self._lock:
                     reply, snapshot = self._answer_chunk(request)
-                    tracker = self._send(identity, reply, track=snapshot is not None)
-                    if snapshot is not None and tracker is not None:
-                        snapshot.trackers.append(tracker)
-                        if len(snapshot.trackers) > _PRUNE_TRACKERS:  # bound the list on busy versions
-                            snapshot.sending()
-                return
-            reply = self._answer(request)
+                    if snapshot is not None:
+                        tracker = self._send(identity, reply, track=True)
+                        if tracker is not None:
+                            snapshot.trackers.append(tracker)
+                            if len(snapshot.trackers) > _PRUNE_TRACKERS:  # bound the list on busy versions
+                                snapshot.sending()
+                if snapshot is not None:
+                    self._track_chunk(identity, frames[-1], request)
+                    return
+                self._log_refusal(frames[-1], reply)  # before the reply, as for malformed requests
+            else:
+                if isinstance(request, WeightFetchDone):
+                    self._fetches.pop((identity, fetch_id), None)
+                reply = self._answer(request)
+                if isinstance(reply, WeightManifest):
+                    self._start_tracking((identity, fetch_id), reply.version, peer_of(frames[-1]), time.monotonic())
         except ProtocolError as exc:
-            log.warning("bad weight request", peer=identity.hex(), code=exc.code, detail=exc.detail[:200])
+            log.warning("bad weight request", peer=peer_of(frames[-1]), identity=identity.hex(), code=exc.code,
+                        detail=exc.detail[:200])  # fmt: skip
             reply = WeightError(code=exc.code, detail=exc.detail[:1000], latest_version=self._latest)
         except Exception as exc:  # a bug here must not take the channel down with it
             log.exception("weight request failed", peer=identity.hex())
@@ -382,6 +449,50 @@ class WeightPublisher:
                 code=ERROR_INTERNAL, detail=f"{type(exc).__name__}: {exc}"[:1000], fetch_id=fetch_id
             )
         self._send(identity, reply)
+
+    def _track_chunk(self, identity: bytes, frame: Any, request: WeightChunkRequest) -> None:
+        """Note a served chunk (server thread). Only for stall reports: nothing waits on it."""
+        now = time.monotonic()
+        key = (identity, request.fetch_id)
+        fetch = self._fetches.get(key)
+        if fetch is None:  # e.g. forgotten as stalled, and the fetcher came back to life
+            fetch = self._start_tracking(key, request.version, peer_of(frame), now)
+        fetch.last_seen = now
+        fetch.chunks += 1
+
+    @staticmethod
+    def _log_refusal(frame: Any, reply: Message) -> None:
+        """Log a well-formed request refused as impossible; superseded versions are routine (debug)."""
+        if not isinstance(reply, WeightError):
+            return
+        level = log.debug if reply.code == ERROR_SUPERSEDED else log.warning
+        level("weight request refused", peer=peer_of(frame), code=reply.code, detail=reply.detail[:200])
+
+    def _start_tracking(self, key: tuple[bytes, int], version: int, peer: str, now: float) -> _Fetch:
+        # A fetcher runs one fetch at a time: a new one (e.g. a restart on a newer version) ends its others.
+        for old in [k for k in self._fetches if k[0] == key[0] and k != key]:
+            del self._fetches[old]
+        while len(self._fetches) >= _MAX_TRACKED_FETCHES:
+            self._fetches.pop(next(iter(self._fetches)))  # the oldest record
+        fetch = self._fetches[key] = _Fetch(version=version, peer=peer, started=now, last_seen=now)
+        return fetch
+
+    def _give_up_stalled(self, now: float) -> None:
+        """Forget fetches that sent nothing for `stall_timeout_s`, with an error line naming each."""
+        stalled = [(k, f) for k, f in self._fetches.items() if now - f.last_seen > self._stall_timeout_s]
+        for key, fetch in stalled:
+            del self._fetches[key]
+            self.stalled_fetches += 1
+            log.error(
+                "weight fetch stalled",
+                version=fetch.version,
+                peer=fetch.peer,
+                fetch_id=key[1],
+                chunks_served=fetch.chunks,
+                idle_s=round(now - fetch.last_seen, 1),
+                detail=f"the fetcher at {fetch.peer} sent no request for version {fetch.version} for "
+                f"{self._stall_timeout_s:g} s; giving up on it (the trainer is not affected)",
+            )
 
     def _answer_chunk(self, request: WeightChunkRequest) -> tuple[Message, _Snapshot | None]:
         """The reply to a chunk request, and the snapshot its data points into (None for errors).
