@@ -12,7 +12,6 @@ network address is refused before anything binds; `vime keys`, `vime status`, `v
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import ipaddress
 import json
@@ -23,23 +22,19 @@ import stat
 import struct
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import yaml
 import zmq
+from helpers_sockets import Recorder, bare_context, dealer, free_port, start_broker, stop_broker
 
 import vime.security
 from vime.broker.client import BrokerClient, BrokerGone, query_status
 from vime.broker.server import BrokerServer
-from vime.broker.state import BrokerSettings, BrokerState
-from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.codec import encode
 from vime.protocol.messages import Credit, DispatchGroups, GroupsGenerated, Hello
 from vime.protocol.weights import WeightFetch
@@ -50,37 +45,10 @@ from vime.security import (
     SecurityError,
     create_keys,
     is_local_endpoint,
-    load_client_keys,
 )
 from vime.weights import WeightFetcher, WeightFetchError, WeightPublisher
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Recorder:
-    """Stands in for a module's structlog logger: keeps (level, event, fields). Thread-safe enough:
-    list.append is atomic, and the ZAP and monitor threads log from their own threads."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
-        def record(event: str, *args: Any, **fields: Any) -> None:
-            self.records.append((level, event, fields))
-
-        return record
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [fields for _, event, fields in self.records if event == name]
-
-    def wait_for(self, name: str, timeout_s: float = 20.0, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for fields in self.events(name):
-                if all(str(v) in str(fields.get(k)) for k, v in match.items()):
-                    return fields
-            time.sleep(0.02)
-        raise AssertionError(f"no {name} {match} logged; got {[e for _, e, _ in self.records]}")
 
 
 @pytest.fixture()
@@ -102,47 +70,11 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Security]:
     return {name: Security(root / name) for name in ("job", "other", "intruder")}
 
 
-def make_broker(
-    security: Security | None, bind: str = "tcp://127.0.0.1:*"
-) -> tuple[str, BrokerServer, threading.Thread]:
-    prompts = [Prompt(i, "1+1=", np.array([1, 2], dtype=np.int32), "2") for i in range(8)]
-    settings = BrokerSettings(2, 2, 1, 1, 10, 30.0, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
-    server = BrokerServer(BrokerState(settings, PromptCursor(prompts, shuffle=False, seed=0)), bind, security=security)
-    endpoint = server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    return endpoint, server, thread
-
-
 @pytest.fixture()
 def curve_broker(keys: dict[str, Security]) -> Iterator[tuple[str, BrokerServer]]:
-    endpoint, server, thread = make_broker(keys["job"])
+    endpoint, server, thread = start_broker(keys["job"])
     yield endpoint, server
-    server.stop()
-    thread.join(timeout=10)
-    assert not thread.is_alive(), "the broker did not stop (ZAP thread left in its context?)"
-
-
-@contextlib.contextmanager
-def bare_context() -> Iterator[zmq.Context]:
-    """A context for bare sockets, destroyed (sockets closed, linger 0) even when an assertion fails:
-    a context left to the garbage collector with open sockets can hang the process in term()."""
-    ctx = zmq.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
-
-
-def raw_dealer(ctx: zmq.Context, endpoint: str, keys_dir: Path | None, role: str = "rollout") -> zmq.Socket:
-    """A bare DEALER (no vime client code): CURVE with `keys_dir`'s client key, or plaintext."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys_dir is not None:
-        k = load_client_keys(keys_dir, role)
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = k.server_public, k.public, k.secret
-    sock.connect(endpoint)
-    return sock
+    assert stop_broker(server, thread), "the broker did not stop (ZAP thread left in its context?)"
 
 
 def non_loopback_ipv4() -> str | None:
@@ -215,12 +147,12 @@ def test_missing_or_broken_keys_are_named_before_any_socket_exists(tmp_path: Pat
         WeightFetcher("tcp://127.0.0.1:1", security=Security(tmp_path / "k"))
     (tmp_path / "k" / "server.key_secret").write_text("garbage\n")
     with pytest.raises(SecurityError, match=r"server.key_secret"):
-        make_broker(Security(tmp_path / "k"))
+        start_broker(Security(tmp_path / "k"))
     for key in (tmp_path / "k" / "authorized").glob("*.key"):
         key.unlink()
     create_keys(tmp_path / "k", force=True, clients=[])
     with pytest.raises(SecurityError, match=r"no client keys in .*authorized"):
-        make_broker(Security(tmp_path / "k"))
+        start_broker(Security(tmp_path / "k"))
 
 
 # --- the plaintext rule -------------------------------------------------------------------------------
@@ -244,7 +176,7 @@ def test_which_endpoints_count_as_loopback(endpoint: str, local: bool) -> None:
 def test_plaintext_on_a_network_address_is_refused_at_start_by_every_socket() -> None:
     hint = r"not a loopback address.*vime keys DIR.*--curve-keys-dir DIR.*--allow-insecure"
     with pytest.raises(SecurityError, match=r"the broker listens on tcp://\*:\d+, which is " + hint):
-        make_broker(None, bind=f"tcp://*:{free_port()}")
+        start_broker(None, bind=f"tcp://*:{free_port()}")
     with pytest.raises(SecurityError, match=r"the weight publisher listens on tcp://0.0.0.0:\*, which is " + hint):
         WeightPublisher("tcp://0.0.0.0:*")
     with pytest.raises(SecurityError, match=r"the rollout broker client connects to tcp://10.9.9.9:5555"):
@@ -273,12 +205,11 @@ def test_curve_serves_a_network_address_without_any_insecure_flag(keys: dict[str
     address = non_loopback_ipv4()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
-    endpoint, server, thread = make_broker(keys["job"], bind=f"tcp://{address}:*")
+    endpoint, server, thread = start_broker(keys["job"], bind=f"tcp://{address}:*")
     try:
         assert query_status(endpoint, security=keys["job"])["step"] == 0
     finally:
-        server.stop()
-        thread.join(timeout=10)
+        stop_broker(server, thread)
 
 
 # --- CURVE on the broker --------------------------------------------------------------------------
@@ -322,8 +253,8 @@ def test_only_clients_with_an_allowed_key_can_join_submit_or_get_work(
     # Bare sockets with a refused key (or none) that try to register, take work and submit results:
     # nothing reaches the broker and nothing comes back.
     with bare_context() as ctx:
-        intruders = [raw_dealer(ctx, endpoint, keys[k].keys_dir) for k in ("intruder", "other")] + [
-            raw_dealer(ctx, endpoint, None)
+        intruders = [dealer(ctx, endpoint, keys[k].keys_dir) for k in ("intruder", "other")] + [
+            dealer(ctx, endpoint, None)
         ]
         for i, sock in enumerate(intruders):
             sock.setsockopt(zmq.SNDTIMEO, 0)
@@ -386,7 +317,7 @@ def test_only_allowed_fetchers_can_read_weights(keys: dict[str, Security], secur
 
         # A bare socket with a refused key asking for the manifest gets nothing at all.
         with bare_context() as ctx:
-            sock = raw_dealer(ctx, pub.endpoint, keys["intruder"].keys_dir)
+            sock = dealer(ctx, pub.endpoint, keys["intruder"].keys_dir)
             sock.send_multipart(encode(WeightFetch(fetch_id=1)))
             assert not sock.poll(1000)
         assert pub.completed_fetches(3) == 1
@@ -424,12 +355,6 @@ def test_a_fetcher_in_a_process_vime_did_not_start_reads_its_keys_from_the_envir
 
 
 # --- vime run / vime slurm -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_vime_run_refuses_plaintext_on_a_network_address_before_starting_anything(

@@ -14,15 +14,14 @@ import itertools
 import socket
 import struct
 import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
+from helpers_sockets import Recorder, dealer, start_broker, start_publisher, stop_broker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,8 +29,6 @@ import vime.broker.server as server_module
 import vime.security
 import vime.weights.publisher as publisher_module
 from vime.broker.server import BrokerServer
-from vime.broker.state import BrokerSettings, BrokerState
-from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.codec import PROTOCOL_VERSION, decode, encode
 from vime.protocol.messages import (
     BatchRequest,
@@ -48,42 +45,21 @@ from vime.protocol.messages import (
 )
 from vime.protocol.weights import (
     MAX_REQUEST_BYTES,
-    MIN_CHUNK_BYTES,
     WeightChunkRequest,
     WeightError,
     WeightFetch,
     WeightFetchDone,
     WeightManifest,
 )
-from vime.security import Security, create_keys, load_client_keys
+from vime.security import Security, create_keys
 from vime.weights import WeightFetcher, WeightPublisher
 
 BROKER_MAX_BYTES = 256 << 10  # small, so "oversized" stays cheap to send
 
 
-class Recorder:
-    """Stands in for a module's structlog logger and keeps (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
-        def record(event: str, *args: Any, **fields: Any) -> None:
-            self.records.append((level, event, fields))
-
-        return record
-
-    def count(self, name: str) -> int:
-        return sum(1 for _, event, _ in self.records if event == name)
-
-    def wait_for(self, name: str, timeout_s: float = 20.0, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for _, event, fields in list(self.records):
-                if event == name and all(str(v) in str(fields.get(k)) for k, v in match.items()):
-                    return fields
-            time.sleep(0.02)
-        raise AssertionError(f"no {name} {match} logged; got {sorted({e for _, e, _ in self.records})}")
+def served_weights() -> list[tuple[str, torch.Tensor]]:
+    """What the publishers serve, as version 1."""
+    return [("w", torch.arange(100_000, dtype=torch.float32))]
 
 
 @pytest.fixture(scope="module")
@@ -96,29 +72,20 @@ def logs() -> Iterator[dict[str, Recorder]]:
         yield recorders
 
 
-def start_broker(security: Security | None = None) -> tuple[str, BrokerServer, threading.Thread]:
-    prompts = [Prompt(i, "1+1=", np.array([1, 2], dtype=np.int32), "2") for i in range(64)]
-    settings_ = BrokerSettings(2, 2, 1, 1, 10, 300.0, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
-    state = BrokerState(settings_, PromptCursor(prompts, shuffle=False, seed=0))
-    server = BrokerServer(state, "tcp://127.0.0.1:*", max_message_bytes=BROKER_MAX_BYTES, security=security)
-    endpoint = server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    return endpoint, server, thread
+def start_fuzz_broker(security: Security | None = None) -> tuple[str, BrokerServer, threading.Thread]:
+    return start_broker(security, n_prompts=64, worker_timeout_s=300.0, max_message_bytes=BROKER_MAX_BYTES)
 
 
 @pytest.fixture(scope="module")
 def broker(logs: dict[str, Recorder]) -> Iterator[tuple[str, BrokerServer]]:
-    endpoint, server, thread = start_broker()
+    endpoint, server, thread = start_fuzz_broker()
     yield endpoint, server
-    server.stop()
-    thread.join(timeout=10)
+    stop_broker(server, thread)
 
 
 @pytest.fixture(scope="module")
 def publisher(logs: dict[str, Recorder]) -> Iterator[WeightPublisher]:
-    pub = WeightPublisher(chunk_bytes=MIN_CHUNK_BYTES)
-    pub.publish(1, [("w", torch.arange(100_000, dtype=torch.float32))])
+    pub = start_publisher(served_weights())
     yield pub
     pub.close()
 
@@ -126,20 +93,15 @@ def publisher(logs: dict[str, Recorder]) -> Iterator[WeightPublisher]:
 _identities = itertools.count()
 
 
-def dealer(ctx: zmq.Context, endpoint: str, keys: Security | None = None) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"fuzz-{next(_identities)}".encode())
-    if keys is not None and keys.keys_dir is not None:
-        k = load_client_keys(keys.keys_dir, "rollout")
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = k.server_public, k.public, k.secret
-    sock.connect(endpoint)
-    return sock
+def fuzz_dealer(ctx: zmq.Context, endpoint: str, keys: Security | None = None) -> zmq.Socket:
+    """A bare DEALER with a fresh identity; CURVE with `keys`' rollout key, or plaintext."""
+    keys_dir = keys.keys_dir if keys is not None else None
+    return dealer(ctx, endpoint, keys_dir, identity=f"fuzz-{next(_identities)}".encode())
 
 
 def still_serves_status(endpoint: str, keys: Security | None = None) -> None:
     ctx = zmq.Context.instance()
-    sock = dealer(ctx, endpoint, keys)
+    sock = fuzz_dealer(ctx, endpoint, keys)
     try:
         sock.send_multipart(encode(StatusRequest()))
         assert sock.poll(10_000), "the broker stopped answering"
@@ -151,7 +113,7 @@ def still_serves_status(endpoint: str, keys: Security | None = None) -> None:
 def still_serves_weights(pub: WeightPublisher) -> None:
     with WeightFetcher(pub.endpoint, timeout_s=10.0, security=Security()) as fetcher:
         got = fetcher.fetch()
-    assert torch.equal(got.tensors[0][1], torch.arange(100_000, dtype=torch.float32))
+    assert torch.equal(got.tensors[0][1], served_weights()[0][1])
 
 
 # --- ZMTP by hand (RFC 23/ZMTP 3.0), for what pyzmq will not send ------------------------------------
@@ -275,7 +237,7 @@ def test_hostile_messages_to_the_broker_get_one_reply_and_each_rejection_one_log
     broker: tuple[str, BrokerServer], logs: dict[str, Recorder], frames: list[bytes]
 ) -> None:
     endpoint, server = broker
-    sock = dealer(zmq.Context.instance(), endpoint)  # a new peer each time: no registration carries over
+    sock = fuzz_dealer(zmq.Context.instance(), endpoint)  # a new peer each time: no registration carries over
     try:
         logged_before = logs["broker"].count("bad_message")
         counted_before = server.state.counters["bad_messages"]
@@ -313,7 +275,7 @@ def test_the_broker_still_works_after_the_fuzz(broker: tuple[str, BrokerServer])
 def test_hostile_weight_requests_are_refused_and_logged(
     publisher: WeightPublisher, logs: dict[str, Recorder], frames: list[bytes]
 ) -> None:
-    sock = dealer(zmq.Context.instance(), publisher.endpoint)
+    sock = fuzz_dealer(zmq.Context.instance(), publisher.endpoint)
     try:
         before = logs["publisher"].count("bad weight request") + logs["publisher"].count("weight request refused")
         sock.send_multipart(frames)
@@ -341,7 +303,7 @@ def test_a_message_over_maxmsgsize_is_dropped_with_its_connection_and_logged(
     endpoint, server = broker
     ctx = zmq.Context.instance()
     for target, limit in ((endpoint, BROKER_MAX_BYTES), (publisher.endpoint, MAX_REQUEST_BYTES)):
-        big = dealer(ctx, target)
+        big = fuzz_dealer(ctx, target)
         bad_before = server.state.counters["bad_messages"]
         big.send_multipart([b"\x00" * (limit + 1)])
         assert not big.poll(1000), "an oversized message was answered: it reached the application"
@@ -435,7 +397,7 @@ def test_a_flood_of_fetches_cannot_grow_the_publishers_bookkeeping(
 ) -> None:
     monkeypatch.setattr(publisher_module, "_MAX_TRACKED_FETCHES", 8)
     ctx = zmq.Context.instance()
-    socks = [dealer(ctx, publisher.endpoint) for _ in range(40)]
+    socks = [fuzz_dealer(ctx, publisher.endpoint) for _ in range(40)]
     try:
         for i, sock in enumerate(socks):  # 40 peers each start a fetch and never finish it
             sock.send_multipart(encode(WeightFetch(fetch_id=i + 1)))
@@ -464,13 +426,11 @@ def curve_servers(
     create_keys(root / "job")
     create_keys(root / "stranger")
     job, stranger = Security(root / "job"), Security(root / "stranger")
-    endpoint, server, thread = start_broker(job)
-    pub = WeightPublisher(chunk_bytes=MIN_CHUNK_BYTES, security=job)
-    pub.publish(1, [("w", torch.arange(100_000, dtype=torch.float32))])
+    endpoint, server, thread = start_fuzz_broker(job)
+    pub = start_publisher(served_weights(), security=job)
     yield endpoint, pub, job, stranger
     pub.close()
-    server.stop()
-    thread.join(timeout=10)
+    stop_broker(server, thread)
 
 
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -490,7 +450,7 @@ def test_unauthenticated_peers_are_refused_and_logged_and_cannot_reach_the_appli
     ctx = zmq.Context.instance()
     for target, request in ((endpoint, Hello(role="rollout", worker_id="x")), (pub.endpoint, WeightFetch(fetch_id=1))):
         for keys in (None, stranger):  # plaintext, and a CURVE key of another job
-            sock = dealer(ctx, target, keys)
+            sock = fuzz_dealer(ctx, target, keys)
             sock.send_multipart(encode(request))
             assert not sock.poll(1000), "an unauthenticated peer got a reply"
             sock.close()
@@ -507,7 +467,7 @@ def test_unauthenticated_peers_are_refused_and_logged_and_cannot_reach_the_appli
     intruder_keys = stranger.keys_dir / "clients" / "rollout.key_secret"
     assert intruder_keys.is_file()
     (stranger.keys_dir / "server.key").write_bytes((job.keys_dir / "server.key").read_bytes())
-    sock = dealer(ctx, endpoint, stranger)
+    sock = fuzz_dealer(ctx, endpoint, stranger)
     sock.send_multipart(encode(Hello(role="rollout", worker_id="x")))
     assert not sock.poll(1000)
     sock.close()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zmq
+from helpers_sockets import Recorder, bare_context, dealer, free_port
 
 import vime.weights.publisher as publisher_module
 from vime.protocol.codec import decode, encode
@@ -30,22 +30,6 @@ from vime.rollout.base import WeightUpdateResult
 from vime.weights import WeightFetcher, WeightFetchError, WeightPublisher
 
 CHUNK = MIN_CHUNK_BYTES
-
-
-class Recorder:
-    """Stands in for a module's structlog logger and keeps (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
-        def record(event: str, *args: Any, **fields: Any) -> None:
-            self.records.append((level, event, fields))
-
-        return record
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [fields for _, event, fields in self.records if event == name]
 
 
 def state(seed: int, n: int = 200_000) -> list[tuple[str, torch.Tensor]]:
@@ -112,11 +96,8 @@ def test_a_fetcher_that_stops_asking_never_blocks_the_trainer_and_is_given_up_by
         pub.publish(1, state(1))
         # A fetcher that takes the manifest and three chunks, then goes quiet for good: it neither asks
         # for the rest nor reports WeightFetchDone.
-        ctx = zmq.Context()
-        stuck = ctx.socket(zmq.DEALER)
-        stuck.setsockopt(zmq.LINGER, 0)
-        try:
-            stuck.connect(pub.endpoint)
+        with bare_context() as ctx:  # destroyed even after a failed assertion: one left to the GC can hang
+            stuck = dealer(ctx, pub.endpoint)
             stuck.send_multipart(encode(WeightFetch(fetch_id=77, min_version=1)))
             assert stuck.poll(20_000)
             manifest = decode(stuck.recv_multipart(copy=False))
@@ -146,8 +127,6 @@ def test_a_fetcher_that_stops_asking_never_blocks_the_trainer_and_is_given_up_by
             assert stalled["version"] == 1 and stalled["chunks_served"] == 3 and stalled["peer"] == "127.0.0.1"
             assert "the fetcher at 127.0.0.1 sent no request for version 1 for 2 s" in stalled["detail"]
             assert pub.stalled_fetches >= 1
-        finally:
-            ctx.destroy(linger=0)  # even after a failed assertion: a context left to the GC can hang
 
 
 def test_a_fetch_restarted_on_a_newer_version_is_not_reported_as_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,7 +309,7 @@ def test_a_worker_whose_broker_vanished_raises_broker_gone_instead_of_blocking_o
     from vime.protocol.messages import Heartbeat
 
     async def scenario() -> str:
-        client = BrokerClient(f"tcp://127.0.0.1:{_free_port()}", "rollout", broker_timeout_s=0.5)
+        client = BrokerClient(f"tcp://127.0.0.1:{free_port()}", "rollout", broker_timeout_s=0.5)
         try:
             with pytest.raises(BrokerGone) as gone:
                 await client.heartbeat_loop(0.1, lambda: Heartbeat())
@@ -340,11 +319,3 @@ def test_a_worker_whose_broker_vanished_raises_broker_gone_instead_of_blocking_o
 
     message = asyncio.run(scenario())
     assert "could not send Heartbeat to the broker at tcp://127.0.0.1:" in message and "0.5 s" in message
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

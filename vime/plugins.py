@@ -4,8 +4,8 @@
 This is the convention of `--custom-rm-path` (`vime.rewards.custom`), made generic so other hooks
 (`--dynamic-sampling-filter-path`) load user code the same way and name their own flag in errors.
 Every problem (file missing, module not importable, error while importing, no such attribute, not
-callable) raises `PluginLoadError` with a message naming the flag, the spec and what is wrong, so a bad
-spec fails at start-up, not mid-run.
+callable) raises `PluginLoadError` (or the subclass the caller names) with a message naming the flag, the
+spec and what is wrong, so a bad spec fails at start-up, not mid-run.
 """
 
 from __future__ import annotations
@@ -23,28 +23,28 @@ class PluginLoadError(ValueError):
     """A spec that does not name a usable function; the message says which flag and why."""
 
 
-def split_spec(spec: str, flag: str) -> tuple[str, str]:
-    """(`file.py` or module, attribute) of a spec; raises PluginLoadError when it names no function."""
+def split_spec(spec: str, flag: str, error: type[PluginLoadError] = PluginLoadError) -> tuple[str, str]:
+    """(`file.py` or module, attribute) of a spec; raises `error` when it names no function."""
     spec = spec.strip()
     usage = "expected 'path/to/file.py:function' or 'module:function'"
     if not spec:
-        raise PluginLoadError(f"{flag} is empty; {usage}")
+        raise error(f"{flag} is empty; {usage}")
     if ":" in spec:
         target, _, attr = spec.rpartition(":")
     else:
         target, _, attr = spec.rpartition(".")
         if spec.endswith(".py") or not target:
-            raise PluginLoadError(f"{flag} {spec!r} names no function; {usage}")
+            raise error(f"{flag} {spec!r} names no function; {usage}")
     if not target or not attr:
-        raise PluginLoadError(f"{flag} {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+        raise error(f"{flag} {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     return target, attr
 
 
-def _load_file(path_text: str, spec: str, flag: str) -> Any:
+def _load_file(path_text: str, spec: str, flag: str, error: type[PluginLoadError], what: str) -> Any:
     path = Path(path_text).expanduser()
     if not path.is_file():
         where = f" (resolved to {path.resolve()})" if not path.is_absolute() else ""
-        raise PluginLoadError(f"file not found: {path_text}{where}, from {flag} {spec!r}")
+        raise error(f"{what or 'file'} not found: {path_text}{where}, from {flag} {spec!r}")
     resolved = path.resolve()
     # One stable module name per file, so two hooks both called filters.py do not collide.
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
@@ -53,38 +53,42 @@ def _load_file(path_text: str, spec: str, flag: str) -> Any:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise PluginLoadError(f"cannot import {resolved} as Python (from {flag} {spec!r})")
+        raise error(f"cannot import {resolved} as Python (from {flag} {spec!r})")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # before exec: dataclasses/typing in the file look it up
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise PluginLoadError(f"error while importing {resolved} (from {flag} {spec!r}): {type(exc).__name__}: {exc}") from exc
+        named = f"{what} {resolved}" if what else str(resolved)
+        raise error(f"error while importing {named} (from {flag} {spec!r}): {type(exc).__name__}: {exc}") from exc
     return module
 
 
-def _load_module(name: str, spec: str, flag: str) -> Any:
+def _load_module(name: str, spec: str, flag: str, error: type[PluginLoadError]) -> Any:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise PluginLoadError(
+        raise error(
             f"cannot import module {name!r} from {flag} {spec!r}: {exc} (for a file, write 'path/to/file.py:function')"
         ) from exc
     except Exception as exc:
-        raise PluginLoadError(f"error while importing module {name!r} from {flag} {spec!r}: {type(exc).__name__}: {exc}") from exc
+        raise error(f"error while importing module {name!r} from {flag} {spec!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def load_function(spec: str, flag: str) -> Callable[..., Any]:
+def load_function(
+    spec: str, flag: str, *, error: type[PluginLoadError] = PluginLoadError, what: str = ""
+) -> Callable[..., Any]:
     """Import and return the callable `spec` names; `flag` (e.g. '--dynamic-sampling-filter-path') is
-    quoted in every error."""
-    target, attr = split_spec(spec, flag)
+    quoted in every error. Errors are raised as `error` (a PluginLoadError subclass of the caller's);
+    `what` (e.g. 'custom reward file') names a spec's file in the not-found and import-error messages."""
+    target, attr = split_spec(spec, flag, error)
     is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(target, spec, flag) if is_file else _load_module(target, spec, flag)
+    module = _load_file(target, spec, flag, error, what) if is_file else _load_module(target, spec, flag, error)
     if not hasattr(module, attr):
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise PluginLoadError(f"{target} has no function {attr!r} (from {flag} {spec!r}); callables there: {available}")
+        raise error(f"{target} has no function {attr!r} (from {flag} {spec!r}); callables there: {available}")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise PluginLoadError(f"{target}:{attr} is a {type(fn).__name__}, not a callable (from {flag} {spec!r})")
+        raise error(f"{target}:{attr} is a {type(fn).__name__}, not a callable (from {flag} {spec!r})")
     return fn  # type: ignore[no-any-return]

@@ -17,101 +17,28 @@ start-up. At scoring time an exception or an unusable return value from the func
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from vime import plugins
 from vime.logging import get_logger
 from vime.rewards.types import RewardResult, coerce_result
 
 log = get_logger(__name__)
 
-
-class CustomRewardLoadError(ValueError):
-    """`--custom-rm-path` does not name a usable function; the message says why."""
+FLAG = "--custom-rm-path"
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
-    spec = spec.strip()
-    if not spec:
-        raise CustomRewardLoadError("--custom-rm-path is empty; expected 'path/to/file.py:function' or 'module:function'")
-    if ":" in spec:
-        target, _, attr = spec.rpartition(":")
-    else:
-        target, _, attr = spec.rpartition(".")
-        if spec.endswith(".py") or not target:
-            # "file.py" with no function, or a bare name: we cannot guess the function.
-            raise CustomRewardLoadError(
-                f"--custom-rm-path {spec!r} names no function; expected 'path/to/file.py:function' or 'module:function'"
-            )
-    if not target or not attr:
-        raise CustomRewardLoadError(
-            f"--custom-rm-path {spec!r} must look like 'path/to/file.py:function' or 'module:function'"
-        )
-    return target, attr
-
-
-def _load_file(path_text: str, spec: str) -> Any:
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        where = f" (resolved to {path.resolve()})" if not path.is_absolute() else ""
-        raise CustomRewardLoadError(f"custom reward file not found: {path_text}{where}, from --custom-rm-path {spec!r}")
-    resolved = path.resolve()
-    # A unique, stable module name per file so two files called reward.py do not collide.
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    module_name = f"vime_custom_rm_{resolved.stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise CustomRewardLoadError(f"cannot import {resolved} as Python (from --custom-rm-path {spec!r})")
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before exec so dataclasses/typing inside the file can find their module.
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise CustomRewardLoadError(
-            f"error while importing custom reward file {resolved}: {type(exc).__name__}: {exc}"
-        ) from exc
-    return module
-
-
-def _load_module(name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise CustomRewardLoadError(
-            f"cannot import module {name!r} from --custom-rm-path {spec!r}: {exc} "
-            "(for a file, write 'path/to/file.py:function')"
-        ) from exc
-    except Exception as exc:
-        raise CustomRewardLoadError(
-            f"error while importing module {name!r} from --custom-rm-path {spec!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+class CustomRewardLoadError(plugins.PluginLoadError):
+    """`--custom-rm-path` does not name a usable function; the message says why. A ValueError."""
 
 
 def load_function(spec: str) -> Callable[..., Any]:
-    """Import and return the function named by `spec`; raises `CustomRewardLoadError` naming the problem
-    (file missing, module not importable, error during import, no such attribute, not callable)."""
-    target, attr = _split_spec(spec)
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(target, spec) if is_file else _load_module(target, spec)
-    if not hasattr(module, attr):
-        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise CustomRewardLoadError(
-            f"{target} has no function {attr!r} (from --custom-rm-path {spec!r}); callables there: {available}"
-        )
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise CustomRewardLoadError(f"{target}:{attr} is a {type(fn).__name__}, not a callable (from --custom-rm-path {spec!r})")
-    return fn
+    """Import and return the function named by `spec` (the loading rules of `vime.plugins`); raises
+    `CustomRewardLoadError` naming the problem (file missing, module not importable, error during import,
+    no such attribute, not callable)."""
+    return plugins.load_function(spec, FLAG, error=CustomRewardLoadError, what="custom reward file")
 
 
 def _check_signature(fn: Callable[..., Any], spec: str) -> None:
