@@ -177,7 +177,22 @@ class VimeConfig(BaseModel):
     behav_imp_weight_cap: float = Field(5.0, gt=0.0)
     use_fsdp: bool = Field(False, description="shard the model with FSDP2 instead of replicating (DDP)")
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
-    save_interval: int | None = Field(None, ge=1, description="save an HF checkpoint every N steps")
+    save_interval: int | None = Field(
+        None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
+    )  # fmt: skip
+    load: str | None = Field(
+        None, description="resume the trainer from a checkpoint saved with --save-interval: a step_N directory, "
+        "or 'latest' (the newest complete one under the checkpoint dir)",
+    )  # fmt: skip
+
+    # --- broker journal (vime/broker/journal.py, docs/reliability.md) ------------------------------
+    journal: bool = Field(True, description="keep the broker's durable journal RUN_DIR/broker.journal")
+    journal_fsync: Literal["always", "interval", "never"] = Field(
+        "interval", description="when journal writes reach the disk: every write, every --journal-fsync-interval-s, "
+        "or when the kernel decides (a killed broker loses nothing in any mode; a machine crash may lose the window)",
+    )  # fmt: skip
+    journal_fsync_interval_s: float = Field(1.0, gt=0.0)
+    journal_compact_bytes: int = Field(256 << 20, ge=1 << 16, description="compact the journal when it grows past this")
 
     # --- network ---------------------------------------------------------------------------------
     broker_address: str = Field("tcp://127.0.0.1:5555", description="where workers reach the broker")

@@ -163,8 +163,11 @@ def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None =
     config_path = cfg.run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     metrics_path = cfg.run_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    if cfg.load is None:  # a resumed job appends to its logs
+        metrics_path.unlink(missing_ok=True)
+        (cfg.run_dir / "trained_groups.jsonl").unlink(missing_ok=True)
     (cfg.run_dir / "status.json").unlink(missing_ok=True)
+    _set_aside_unfinished_job(cfg)
 
     children = plan_children(cfg, config_path)
     view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress)
@@ -213,6 +216,17 @@ def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None =
             signal.signal(sig, handler)
     _finish_report(cfg, view.records)
     return exit_code
+
+
+def _set_aside_unfinished_job(cfg: VimeConfig) -> None:
+    """A run dir whose broker journal holds an unfinished job: `--load` resumes it (the broker picks the
+    journal up); without `--load` this is a new job, so the old journal is kept under another name."""
+    from vime.broker.journal import journal_file, move_aside
+
+    path = journal_file(cfg.run_dir)
+    if cfg.load is None and cfg.journal and path.exists():
+        kept = move_aside(path, "interrupted")
+        log.warning("previous_journal_set_aside", journal=str(kept), hint="to resume that job instead, run with --load latest")
 
 
 def _wait_for(children: list[Child], seconds: float) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from vime.broker.journal import JournalWriter, journal_file, move_aside, read_journal
+from vime.broker.recovery import compacted, header_for, restore, steps_recorded
 from vime.broker.server import BrokerServer
 from vime.broker.state import BrokerSettings, BrokerState
 from vime.config import VimeConfig, build_parser, parse_config
@@ -31,6 +33,37 @@ def build_state(cfg: VimeConfig) -> BrokerState:
     )  # fmt: skip
 
 
+def open_journal(cfg: VimeConfig, state: BrokerState) -> JournalWriter:
+    """Resume from the run dir's journal if it holds an unfinished job, else start a new one.
+
+    A journal of a finished job is moved aside (`broker.journal.done-<time>`), so running the same
+    command again starts a new job. Raises JournalError for a damaged journal or one written for a
+    different dataset or batch shape (the message says what differs)."""
+    log = get_logger("vime.broker")
+    path = journal_file(cfg.run_dir)
+    writer_args = {"fsync": cfg.journal_fsync, "fsync_interval_s": cfg.journal_fsync_interval_s}
+    if path.exists():
+        records, intact = read_journal(path)
+        if records and steps_recorded(records) < cfg.num_rollout:
+            restore(state, records)
+            log.warning(
+                "broker_resumed", journal=str(path), step=state.trained_steps, weight_version=state.published_version,
+                buffered=len(state.buffer), in_training=len(state.training), to_regenerate=len(state.retry_queue),
+                replayable_steps=len(state.step_batches), records=len(records),
+            )  # fmt: skip
+            writer = JournalWriter(path, truncate_to=intact, **writer_args)  # type: ignore[arg-type]
+            writer.rewrite(compacted(state))  # also drops a torn tail for good
+            return writer
+        if records:
+            log.info("previous_job_finished", journal=str(move_aside(path, "done")))
+        else:
+            path.unlink()
+    writer = JournalWriter(path, **writer_args)  # type: ignore[arg-type]
+    writer.append(header_for(state))
+    writer.flush()
+    return writer
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(list(sys.argv[1:] if argv is None else argv), build_parser("vime-broker"))
     configure_logging()
@@ -38,9 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     log = get_logger("vime.broker")
     state = build_state(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    journal = open_journal(cfg, state) if cfg.journal else None
     server = BrokerServer(
         state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json",
-        security=Security.from_config(cfg),
+        security=Security.from_config(cfg), journal=journal, compact_bytes=cfg.journal_compact_bytes,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)

@@ -126,6 +126,7 @@ class RewardWorker:
         self.stats = {"groups": 0.0, "samples_failed": 0.0, "busy_s": 0.0}
         self.extras = ExtraMeans()
         self.busy = BusyTimer()
+        self.groups_in_flight = 0
 
     async def run(self) -> int:
         await self.client.hello()
@@ -138,9 +139,12 @@ class RewardWorker:
                 if heartbeat.done():
                     heartbeat.result()
                 msg = await self.client.recv(timeout_s=1.0)
+                if self.client.rejoin_needed:
+                    await self._rejoin()
                 if msg is None or isinstance(msg, (Ack, HeartbeatAck)):
                     continue
                 if isinstance(msg, ScoreGroups):
+                    self.groups_in_flight += len(msg.groups)
                     task = asyncio.create_task(self._score(msg.groups))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
@@ -155,6 +159,13 @@ class RewardWorker:
                 task.cancel()
             if isinstance(self.scorer, RemoteReward):
                 await self.scorer.aclose()
+
+    async def _rejoin(self) -> None:
+        """The broker restarted: register again and offer the slots not taken by groups being scored."""
+        await self.client.rejoin()
+        free = self.cfg.reward_concurrency - self.groups_in_flight
+        if free > 0:
+            await self.client.send(Credit(n=free))
 
     def _heartbeat(self) -> Heartbeat:
         self.stats["busy_s"] = self.busy.total()
@@ -178,6 +189,7 @@ class RewardWorker:
             self.extras.add([e for e, f in zip(s.extras, s.failed) if not f])
         self.stats["groups"] += len(groups)
         self.stats["samples_failed"] += failures
+        self.groups_in_flight -= len(groups)
         await self.client.send(GroupsScored(scores=scores))
         await self.client.send(Credit(n=len(groups)))
 

@@ -120,6 +120,8 @@ class RolloutWorker:
                     # (by the launcher's teardown or the broker's timeout) instead of hanging forever.
                     raise self.fatal
                 msg = await self.client.recv(timeout_s=1.0)
+                if self.client.rejoin_needed:
+                    await self._rejoin()
                 if msg is None or isinstance(msg, Ack):
                     continue
                 if isinstance(msg, DispatchGroups):
@@ -137,6 +139,15 @@ class RolloutWorker:
         finally:
             for task in [updater, heartbeat, *self.tasks]:
                 task.cancel()
+
+    async def _rejoin(self) -> None:
+        """The broker restarted: register again and offer the slots not taken by groups in flight (those
+        finish, their results are dropped as late by the new broker, and each returns its slot)."""
+        job = await self.client.rejoin(weight_version=self.engine.weight_version)
+        self._note_version(job.weight_version, job.weight_endpoint)
+        free = self.cfg.rollout_concurrency - len(self.tasks)
+        if free > 0:
+            await self.client.send(Credit(n=free))
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.create_task(coro)

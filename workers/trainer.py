@@ -6,9 +6,16 @@ The loop, per step (slime-style, readable in one sitting):
   3. every rank runs `TorchTrainer.train_step` (advantages, old logprobs, PPO-clip updates);
   4. rank 0 reports the step; every `update_weights_interval` steps all ranks export the weights and
      rank 0 publishes them as version v+1 on its weight channel and tells the broker;
-  5. rank 0 writes one JSON line of metrics; checkpoints every `save_interval` steps.
+  5. rank 0 writes one JSON line of metrics and one line of the step's group ids
+     (`trained_groups.jsonl`); every `save_interval` steps all ranks save a resumable checkpoint.
 Ranks > 0 only follow the broadcasts. Rank 0 trains in a worker thread so its heartbeats keep flowing
 while a long step runs.
+
+Faults: StepDone, WeightsPublished and CheckpointSaved wait for the broker's Ack; if the broker restarted
+meanwhile (it answers `unknown_peer`), rank 0 says Hello again and re-sends what is unanswered,
+including its BatchRequest, which the broker answers with the same batch as before. `--load` resumes
+from a checkpoint: the steps after it are trained again on the same groups (the broker kept them), and
+weights are published under a version above any the broker has seen, so rollout workers move to them.
 """
 
 from __future__ import annotations
@@ -26,15 +33,17 @@ import torch
 import torch.distributed as dist
 
 from vime.broker.client import BrokerClient, BrokerGone
-from vime.config import VimeConfig
+from vime.config import ConfigError, VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.protocol.messages import (
-    Ack, BatchRequest, EvalResult, Group, Heartbeat, HeartbeatAck, Shutdown, StepDone, TrainBatch, WeightsPublished,
+    Ack, BatchRequest, CheckpointSaved, EvalResult, Group, Heartbeat, HeartbeatAck, Message, Shutdown, StepDone,
+    TrainBatch, WeightsPublished,
 )
 from vime.security import Security
 from vime.slurm.network import advertised_endpoint
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
 from vime.trainer.base import PolicyTrainer
+from vime.trainer.checkpoint import ResumePoint, find_checkpoint, load_checkpoint, save_checkpoint
 from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
 from vime.weights.publisher import WeightPublisher
 
@@ -199,6 +208,24 @@ def checkpoint_path(cfg: VimeConfig, step: int) -> Path:
     return cfg.checkpoint_dir / f"step_{step + 1}"
 
 
+def save(trainer: PolicyTrainer, cfg: VimeConfig, step: int, version: int) -> Path:
+    """Every rank: a resumable checkpoint after `step` (HF weights only where the backend cannot resume)."""
+    if trainer.supports_resume:
+        return save_checkpoint(trainer, cfg.checkpoint_dir, step + 1, version)
+    path = checkpoint_path(cfg, step)
+    trainer.save_hf_checkpoint(path)
+    return path
+
+
+def resume_point(trainer: PolicyTrainer, cfg: VimeConfig) -> ResumePoint | None:
+    """Every rank: load `--load`'s checkpoint into the trainer (None without --load)."""
+    if cfg.load is None:
+        return None
+    if not trainer.supports_resume:
+        raise ConfigError(f"--load: the {cfg.train_backend} backend cannot resume yet (it saves HF weights only)")
+    return load_checkpoint(trainer, find_checkpoint(cfg.load, cfg.checkpoint_dir))
+
+
 def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -> int:
     """Ranks > 0: do what rank 0's commands say until told to stop (collectives need every rank)."""
     while True:
@@ -206,7 +233,7 @@ def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -
         if cmd == COMMAND_STOP:
             return 0
         if cmd == COMMAND_SAVE:
-            trainer.save_hf_checkpoint(checkpoint_path(cfg, step))
+            save(trainer, cfg, step, version=-1)
             continue
         batch = broadcast_batch(None, src=0)
         trainer.train_step(batch)
@@ -217,25 +244,39 @@ def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -
 class LeaderLoop:
     """Rank 0: broker conversation, metrics, publication, checkpoints."""
 
-    def __init__(self, cfg: VimeConfig, trainer: PolicyTrainer, client: BrokerClient, publisher: WeightPublisher, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: VimeConfig, trainer: PolicyTrainer, client: BrokerClient, publisher: WeightPublisher,
+        dtype: torch.dtype, resume: ResumePoint | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.trainer = trainer
         self.client = client
         self.publisher = publisher
         self.dtype = dtype
-        self.version = 0
+        self.resume = resume
+        self.version = resume.weight_version if resume else 0
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.ledger_path = cfg.run_dir / "trained_groups.jsonl"
+        self.heartbeat: asyncio.Task[None] | None = None
+        self.shutdown_received = False
 
     async def run(self) -> int:
-        await self.client.hello(weight_version=0)
-        heartbeat = asyncio.create_task(self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(weight_version=self.version)))
+        job = await self.client.hello(weight_version=self.version)
+        first_step = self.resume.steps_done if self.resume else 0
+        if job.weight_endpoint is not None:
+            # The job has published weights before (a resumed or restarted trainer): rollout workers only
+            # move to newer versions, so ours must be above every version they may hold.
+            self.version = max(self.version, job.weight_version + 1)
+        self.heartbeat = asyncio.create_task(
+            self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(weight_version=self.version))
+        )
         try:
-            await self._publish(step=-1)  # version 0: tells the broker where the weight channel is
+            await self._publish(step=first_step - 1)  # tells the broker where the weight channel is
             last_step_end = time.perf_counter()
-            for step in range(self.cfg.num_rollout):
+            for step in range(first_step, self.cfg.num_rollout):
                 bind_progress(weight_version=self.version, step=step)
                 wait_started = time.perf_counter()
-                batch_msg = await self._request_batch(step, heartbeat)
+                batch_msg = await self._request_batch(step)
                 wait_time = time.perf_counter() - wait_started
                 metrics = rollout_metrics(batch_msg.groups, batch_msg.stats)
                 train_started = time.perf_counter()
@@ -243,7 +284,9 @@ class LeaderLoop:
                 batch = broadcast_batch(groups_to_batch(batch_msg.groups), src=0)
                 metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
                 train_time = time.perf_counter() - train_started
-                await self.client.send(StepDone(step=step, group_ids=[g.group_id for g in batch_msg.groups]))
+                group_ids = [g.group_id for g in batch_msg.groups]
+                await self._send_acked(StepDone(step=step, group_ids=group_ids), str(step))
+                self._write_ledger(step, group_ids)
                 sync_time = 0.0
                 if (step + 1) % self.cfg.update_weights_interval == 0:
                     sync_started = time.perf_counter()
@@ -262,36 +305,74 @@ class LeaderLoop:
                 })
                 self._write_metrics(step, metrics)
                 if self.cfg.save_interval and (step + 1) % self.cfg.save_interval == 0:
-                    self._save(step)
-            self._save(self.cfg.num_rollout - 1)
+                    await self._save(step)
+            await self._save(self.cfg.num_rollout - 1)
             if self.cfg.eval_interval is not None and self.cfg.eval_prompt_data:
-                await self._receive_evals_until_shutdown(heartbeat)
+                await self._receive_evals_until_shutdown()
             _command(COMMAND_STOP, self.cfg.num_rollout)
             return 0
         finally:
-            heartbeat.cancel()
+            self.heartbeat.cancel()
 
-    async def _request_batch(self, step: int, heartbeat: asyncio.Task[None]) -> TrainBatch:
-        await self.client.send(BatchRequest(step=step, n_groups=self.cfg.rollout_batch_size, policy_version=self.version))
+    async def _next_message(self) -> Message | None:
+        """The next message from the broker (None after a second of silence). Eval results are logged
+        here; a broker restart makes rank 0 say Hello again (the caller then re-sends what it waits on)."""
+        assert self.heartbeat is not None
+        if self.heartbeat.done():
+            self.heartbeat.result()  # raises BrokerGone
+        msg = await self.client.recv(timeout_s=1.0)
+        if isinstance(msg, EvalResult):
+            self._write_eval(msg)
+            return None
+        if isinstance(msg, Shutdown):
+            self.shutdown_received = True
+        return msg
+
+    async def _rejoin_if_needed(self) -> bool:
+        if not self.client.rejoin_needed:
+            return False
+        await self.client.rejoin(weight_version=self.version)
+        return True
+
+    async def _request_batch(self, step: int) -> TrainBatch:
+        request = BatchRequest(step=step, n_groups=self.cfg.rollout_batch_size, policy_version=self.version)
+        await self.client.send(request)
         while True:
-            if heartbeat.done():
-                heartbeat.result()
-            msg = await self.client.recv(timeout_s=1.0)
-            if isinstance(msg, TrainBatch):
-                return msg
-            if isinstance(msg, EvalResult):
-                self._write_eval(msg)
+            msg = await self._next_message()
+            if await self._rejoin_if_needed():
+                await self.client.send(request)
                 continue
+            if isinstance(msg, TrainBatch) and msg.step == step:
+                return msg
             if isinstance(msg, Shutdown):
                 raise BrokerGone(f"broker shut down before step {step}: {msg.reason}")
-            if msg is not None and not isinstance(msg, (Ack, HeartbeatAck)):
+            if msg is not None and not isinstance(msg, (Ack, HeartbeatAck, TrainBatch)):
                 log.warning("unexpected_message", message=type(msg).__name__)
+
+    async def _send_acked(self, msg: Message, ack_id: str) -> None:
+        """Send `msg` until the broker acknowledges it, re-sending after a broker restart. Once the broker
+        has said Shutdown (the job is over) the Ack is not waited for: the broker may be gone already."""
+        if self.shutdown_received:
+            try:
+                await self.client.send(msg, timeout_s=5.0)
+            except BrokerGone:
+                log.info("broker_already_gone", message=type(msg).__name__)
+            return
+        await self.client.send(msg)
+        while not self.shutdown_received:
+            reply = await self._next_message()
+            if await self._rejoin_if_needed():
+                await self.client.send(msg)
+                continue
+            if isinstance(reply, Ack) and ack_id in reply.ids:
+                return
 
     async def _publish(self, step: int) -> None:
         nbytes, seconds = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
         # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
         endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
-        await self.client.send(WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds))
+        published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds)
+        await self._send_acked(published, str(self.version))
         log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4))
 
     def _write_metrics(self, step: int, metrics: dict[str, Any]) -> None:
@@ -300,16 +381,18 @@ class LeaderLoop:
             handle.write(json.dumps(record) + "\n")
         log.info("step_done", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
 
-    async def _receive_evals_until_shutdown(self, heartbeat: asyncio.Task[None]) -> None:
+    def _write_ledger(self, step: int, group_ids: list[str]) -> None:
+        """Which groups each step trained, as the trainer saw them (checked against the broker's account
+        by the chaos test). A resumed trainer appends the replayed steps again; the last line of a step wins."""
+        record = {"step": step, "group_ids": group_ids, "weight_version": self.version}
+        with self.ledger_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    async def _receive_evals_until_shutdown(self) -> None:
         """After the last step: log eval runs still in flight; the broker says Shutdown after the last."""
-        while True:
-            if heartbeat.done():
-                heartbeat.result()
-            msg = await self.client.recv(timeout_s=1.0)
-            if isinstance(msg, EvalResult):
-                self._write_eval(msg)
-            elif isinstance(msg, Shutdown):
-                return
+        while not self.shutdown_received:
+            await self._next_message()
+            await self._rejoin_if_needed()
 
     def _write_eval(self, msg: EvalResult) -> None:
         """An eval run's metrics, as their own line at the step whose weights were evaluated."""
@@ -318,13 +401,14 @@ class LeaderLoop:
             handle.write(json.dumps(record) + "\n")
         log.info("eval_logged", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
 
-    def _save(self, step: int) -> None:
-        path = checkpoint_path(self.cfg, step)
-        if path.exists():
+    async def _save(self, step: int) -> None:
+        if checkpoint_path(self.cfg, step).exists():
             return
         _command(COMMAND_SAVE, step)
-        self.trainer.save_hf_checkpoint(path)
-        log.info("checkpoint_saved", path=str(path))
+        path = await asyncio.to_thread(save, self.trainer, self.cfg, step, self.version)
+        log.info("checkpoint_saved", path=str(path), resumable=self.trainer.supports_resume)
+        # Also when not resumable: the broker then need not keep the batches before it.
+        await self._send_acked(CheckpointSaved(steps_done=step + 1, path=str(path)), f"checkpoint-{step + 1}")
 
 
 def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
@@ -333,6 +417,7 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     dtype = getattr(torch, str(cfg.vllm.get("dtype", "bfloat16")))
     trainer = build_trainer(cfg)
     try:
+        resume = resume_point(trainer, cfg)
         if info.rank != 0:
             return follower_loop(trainer, cfg, dtype)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -344,7 +429,7 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
             publisher.close()
             raise
         try:
-            return asyncio.run(LeaderLoop(cfg, trainer, client, publisher, dtype).run())
+            return asyncio.run(LeaderLoop(cfg, trainer, client, publisher, dtype, resume).run())
         except BrokerGone as exc:
             log.error("broker_gone", error=str(exc))
             _command(COMMAND_STOP, -1)

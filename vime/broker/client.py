@@ -6,6 +6,11 @@ wrong) and a malformed reply is logged and skipped, so a bad frame never kills a
 stops answering heartbeats for `broker_timeout_s`, `BrokerGone` is raised so the worker can exit
 instead of hanging forever.
 
+Broker restarts: a restarted broker (it resumes from its journal) does not know this worker and
+answers with ErrorReply `unknown_peer`; `recv` then sets `rejoin_needed`, and the worker's loop calls
+`rejoin()` (Hello again) and re-offers its free capacity. Replies to messages sent before the new Hello
+arrive before the Welcome (one connection keeps order), so a rejoin is not triggered twice by them.
+
 Security: the socket is secured by a `vime.security.ClientGuard` (CURVE with this role's key pair when
 keys are configured, else plaintext to loopback only). A broker that refuses the handshake (wrong or
 missing key) is reported at once as `BrokerGone` with the reason, not after the Hello timeout.
@@ -27,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from vime.logging import get_logger
-from vime.protocol.codec import ProtocolError, decode, encode
+from vime.protocol.codec import ERROR_CANNOT_RESUME, ERROR_UNKNOWN_PEER, ProtocolError, decode, encode
 from vime.protocol.messages import Bye, ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
 from vime.security import ClientGuard, HandshakeRejected, Security
 from vime.transport import make_dealer
@@ -37,6 +42,10 @@ log = get_logger(__name__)
 
 class BrokerGone(RuntimeError):
     """The broker did not answer for longer than the timeout."""
+
+
+class BrokerRefused(BrokerGone):
+    """The broker cannot continue this worker's work (e.g. a trainer resumed from the wrong step)."""
 
 
 def new_worker_id(role: str) -> str:
@@ -63,6 +72,8 @@ class BrokerClient:
         self.broker_timeout_s = broker_timeout_s
         self.last_heard = time.monotonic()
         self.job: JobInfo | None = None
+        self.rejoin_needed = False
+        self.rejoins = 0
 
     async def send(self, msg: Message, timeout_s: float | None = None) -> None:
         """Queue `msg` for the broker; BrokerGone if that is impossible for `timeout_s` (default
@@ -93,6 +104,13 @@ class BrokerClient:
                 log.warning("bad_message_from_broker", code=exc.code, detail=exc.detail[:500])
                 continue
             if isinstance(msg, ErrorReply):
+                if msg.code == ERROR_UNKNOWN_PEER:
+                    if not self.rejoin_needed:
+                        log.warning("broker_does_not_know_us", detail=msg.detail[:200], hint="the broker restarted; saying Hello again")
+                    self.rejoin_needed = True
+                    continue
+                if msg.code == ERROR_CANNOT_RESUME:
+                    raise BrokerRefused(msg.detail)
                 log.error("broker_rejected_message", code=msg.code, detail=msg.detail[:500])
                 continue
             return msg
@@ -113,11 +131,19 @@ class BrokerClient:
             msg = await self.recv(timeout_s=5.0)
             if isinstance(msg, Welcome):
                 self.job = msg.job
+                self.rejoin_needed = False
                 return msg.job
             if msg is not None:
                 log.warning("unexpected_before_welcome", message=type(msg).__name__)
         self._raise_if_rejected()
         raise BrokerGone(f"broker at {self.address} did not answer Hello within {timeout_s:.0f} s")
+
+    async def rejoin(self, weight_version: int = -1, info: dict[str, Any] | None = None) -> JobInfo:
+        """Say Hello to a broker that lost our session (it restarted); returns the job as it is now."""
+        self.rejoins += 1
+        job = await self.hello(weight_version=weight_version, info=info, timeout_s=self.broker_timeout_s)
+        log.info("rejoined_broker", weight_version=job.weight_version, rejoins=self.rejoins)
+        return job
 
     def _raise_if_rejected(self) -> None:
         try:
@@ -219,4 +245,4 @@ def query_status(address: str, timeout_s: float = 5.0, *, security: Security | N
         context.term()
 
 
-__all__ = ["BrokerClient", "BrokerGone", "HeartbeatAck", "new_worker_id", "query_status"]
+__all__ = ["BrokerClient", "BrokerGone", "BrokerRefused", "HeartbeatAck", "new_worker_id", "query_status"]

@@ -8,6 +8,11 @@ The loop also expires silent workers (their leased groups are re-queued), sends 
 to the trainer, warns when a dynamic sampling filter keeps dropping every group (training cannot
 progress then), and writes a status snapshot to the run directory for `vime status` when the broker
 is not reachable.
+
+With a journal (`vime.broker.journal`) the records a state change produced are written before any
+message is sent (write-ahead), and the journal is compacted when it outgrows `compact_bytes`.
+A message from a peer the broker does not know (it restarted since the peer said Hello) is answered
+with ErrorReply `unknown_peer`, which makes the worker say Hello again and carry on.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from typing import Any
 
 import zmq
 
+from vime.broker.journal import JournalWriter
+from vime.broker.recovery import compacted
 from vime.broker.state import BrokerState, Outgoing
 from vime.logging import bind_progress, get_logger
-from vime.protocol.codec import ERROR_INVALID, ProtocolError, decode, encode
+from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ProtocolError, decode, encode
 from vime.protocol.messages import (
     Ack,
     BatchRequest,
     Bye,
+    CheckpointSaved,
     Credit,
     ErrorReply,
     EvalResult,
@@ -55,6 +63,7 @@ ALLOWED: dict[type[Message], frozenset[str]] = {
     GroupsScored: frozenset({"reward"}),
     BatchRequest: frozenset({"trainer"}),
     StepDone: frozenset({"trainer"}),
+    CheckpointSaved: frozenset({"trainer"}),
     WeightsPublished: frozenset({"trainer"}),
 }
 ACCEPTED_TYPES = (Hello, StatusRequest, *ALLOWED)
@@ -69,8 +78,13 @@ class BrokerServer:
         status_path: Path | None = None,
         max_message_bytes: int = 1 << 30,
         security: Security | None = None,
+        journal: JournalWriter | None = None,
+        compact_bytes: int = 256 << 20,
     ) -> None:
         self.state = state
+        self.journal = journal
+        self.compact_bytes = compact_bytes
+        state.journal = journal
         self.context = zmq.Context()
         # CURVE + ZAP allow-list, or plaintext on loopback only; SecurityError before anything binds.
         try:
@@ -114,6 +128,9 @@ class BrokerServer:
                 finished_at = finished_at or now
                 if not self.state.workers or now - finished_at > linger_after_finish_s:
                     break
+        self._flush_journal()
+        if self.journal is not None:
+            self.journal.close()
         self._write_status(time.monotonic(), force=True)
         log.info("broker_stopped", **self.state.counters)
         self.socket.close(linger=500)
@@ -135,6 +152,8 @@ class BrokerServer:
             log.info("eval_done", eval_step=step, eval_version=msg.weight_version, seconds=seconds, **passes)
         self._send(evals)
         self._warn_if_filter_starves()
+        self._flush_journal()
+        self._maybe_compact()
         self._write_status(now)
 
     def _warn_if_filter_starves(self) -> None:
@@ -170,7 +189,7 @@ class BrokerServer:
             return
         worker = state.workers.get(identity)
         if worker is None:
-            raise ProtocolError(ERROR_INVALID, f"{type(msg).__name__} from an unknown peer: send Hello first")
+            raise ProtocolError(ERROR_UNKNOWN_PEER, f"{type(msg).__name__} from an unknown peer: send Hello first")
         if worker.role not in ALLOWED[type(msg)]:
             raise ProtocolError(ERROR_INVALID, f"a {worker.role} worker may not send {type(msg).__name__}")
         state.touch(identity, now)
@@ -189,18 +208,39 @@ class BrokerServer:
             accepted = state.on_scored(identity, msg.scores, now)
             self._send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, BatchRequest):
-            state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now)
+            self._send(state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now))
         elif isinstance(msg, StepDone):
             self._send(state.on_step_done(msg.step, msg.group_ids))
             bind_progress(step=state.trained_steps)
             self._send([(identity, Ack(ids=[str(msg.step)]))])
+        elif isinstance(msg, CheckpointSaved):
+            state.on_checkpoint(msg.steps_done)
+            log.info("trainer_checkpoint", steps_done=msg.steps_done, path=msg.path, replayable_steps=len(state.step_batches))
+            self._send([(identity, Ack(ids=[f"checkpoint-{msg.steps_done}"]))])
         elif isinstance(msg, WeightsPublished):
             self._send(state.on_weights_published(msg.version, msg.endpoint, msg.step, now))
             bind_progress(weight_version=state.published_version)
             log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
             self._send([(identity, Ack(ids=[str(msg.version)]))])
 
+    def _flush_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.flush()
+
+    def _maybe_compact(self) -> None:
+        if self.journal is None or self.journal.size < self.compact_bytes:
+            return
+        before = self.journal.size
+        started = time.perf_counter()
+        self.journal.rewrite(compacted(self.state))
+        log.info("journal_compacted", bytes_before=before, bytes_after=self.journal.size, seconds=round(time.perf_counter() - started, 3))
+        if self.journal.size > self.compact_bytes // 2:
+            # Mostly live data (a large buffer): compact again only after it has doubled.
+            self.compact_bytes = 2 * self.journal.size
+
     def _send(self, outgoing: Outgoing) -> None:
+        if outgoing:
+            self._flush_journal()  # write-ahead: a record is in the kernel before anyone acts on it
         for identity, msg in outgoing:
             try:
                 self.socket.send_multipart([identity, *encode(msg)], copy=False)

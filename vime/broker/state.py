@@ -37,6 +37,16 @@ job finishes once every eval run (including the final step's) has been delivered
 Leases: a worker that says Bye or stays silent past its timeout loses its leased groups; generating
 groups go back to the retry queue (regenerated from scratch), scoring groups back to the scoring queue.
 A late result for a group no longer leased to that worker is dropped by id and counted.
+
+Durability (`vime.broker.journal`, `vime.broker.recovery`): every change that matters for "nothing
+lost, nothing trained twice" is appended to `self.journal` as it happens: admissions (the prompt
+cursor), scored groups entering the buffer (with their payload), drops, the batch of each step, finished
+steps, trainer checkpoints and published versions. Batches are recorded per step: a trainer that asks
+again for a step (its reply was lost, the broker restarted, or the trainer resumed from a checkpoint)
+gets exactly the same groups. Trained groups stay replayable until the trainer reports a checkpoint
+that covers them (only when the job saves checkpoints). `groups_lost` (admitted training groups that are
+nowhere: not trained, not dropped with a reason, not in any queue) and `groups_trained_twice` (a group
+in the batches of two different steps) are computed from independent records and must stay 0.
 """
 
 from __future__ import annotations
@@ -45,13 +55,18 @@ import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from vime.data.prompts import PromptCursor
 from vime.eval import EvalSet, EvalTracker
+from vime.broker.journal import (
+    JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalPublished, JournalRecord,
+    JournalStepDone,
+)
 from vime.filters import FilterDecision
+from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
 from vime.protocol.messages import (
     DispatchGroups,
     EvalResult,
@@ -101,6 +116,8 @@ class BrokerSettings:
     n_samples_per_eval_prompt: int = 1
     eval_sampling: dict[str, Any] = field(default_factory=dict)
     eval_pass_threshold: float = 1.0
+    # Keep trained batches replayable until a trainer checkpoint covers them (the job saves checkpoints).
+    retain_until_checkpoint: bool = False
 
     @classmethod
     def from_config(cls, cfg: VimeConfig) -> BrokerSettings:
@@ -123,6 +140,7 @@ class BrokerSettings:
             n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
             eval_sampling=cfg.eval_sampling if cfg.eval_interval else {},
             eval_pass_threshold=cfg.eval_pass_threshold,
+            retain_until_checkpoint=cfg.save_interval is not None,
         )
 
     @property
@@ -147,6 +165,17 @@ class PendingBatch:
     n_groups: int
     policy_version: int
     since: float
+
+
+class JournalSink(Protocol):
+    def append(self, record: JournalRecord) -> None: ...
+
+
+class CannotServeStep(ProtocolError):
+    """The trainer asked for a step whose batch is gone (before the last checkpoint) or not reachable."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(ERROR_CANNOT_RESUME, detail)
 
 
 GroupFilter = Callable[[Group], FilterDecision]
@@ -189,6 +218,16 @@ class BrokerState:
         self.scoring: dict[str, tuple[Group, bytes]] = {}
         self.buffer: OrderedDict[str, Group] = OrderedDict()
         self.training: dict[str, Group] = {}
+        # Per step (from the last trainer checkpoint on): the group ids of its batch, and the payloads of
+        # trained groups still replayable by a trainer that resumes from that checkpoint.
+        self.step_batches: dict[int, list[str]] = {}
+        self.retained: dict[str, Group] = {}
+        self.checkpoint_steps = 0
+        # Ledgers for the loss/duplication checks (group ids are small; one entry per admitted group).
+        self.admitted_ids: set[str] = set()
+        self.trained_in_step: dict[str, int] = {}
+        self.dropped: dict[str, str] = {}
+        self.journal: JournalSink | None = None
         self.dispatch_seq: dict[str, int] = {}
         self.pending_batch: PendingBatch | None = None
         self.published_version = 0
@@ -215,6 +254,10 @@ class BrokerState:
             "samples_failed": 0,
             "late_results_dropped": 0,
             "bad_messages": 0,
+            "groups_trained_twice": 0,
+            "steps_replayed": 0,
+            "batches_resent": 0,
+            "broker_restarts": 0,
         }
 
     # --- workers -----------------------------------------------------------------------------
@@ -379,12 +422,23 @@ class BrokerState:
 
     def _new_group(self) -> Group:
         epoch, prompt = self.cursor.next()
-        group_id = f"e{epoch}-p{prompt.index}"
-        self.dispatch_seq[group_id] = self._next_seq
+        group = self.group_for(epoch, prompt.index)
+        seq = self._next_seq
         self._next_seq += 1
+        self.dispatch_seq[group.group_id] = seq
+        self.admitted_ids.add(group.group_id)
         self.counters["groups_admitted"] += 1
+        self._record(JournalAdmit(
+            group_id=group.group_id, epoch=epoch, prompt_index=prompt.index, seq=seq,
+            cursor_epoch=self.cursor.epoch, cursor_position=self.cursor.position,
+        ))  # fmt: skip
+        return group
+
+    def group_for(self, epoch: int, prompt_index: int) -> Group:
+        """A fresh (ungenerated) training group for a prompt of the dataset."""
+        prompt = self.cursor.prompt(prompt_index)
         return Group(
-            group_id=group_id,
+            group_id=f"e{epoch}-p{prompt.index}",
             prompt_index=prompt.index,
             epoch=epoch,
             prompt_tokens=prompt.tokens,
@@ -393,6 +447,10 @@ class BrokerState:
             metadata=prompt.metadata,
             n_samples=self.settings.n_samples_per_prompt,
         )
+
+    def _record(self, record: JournalRecord) -> None:
+        if self.journal is not None:
+            self.journal.append(record)
 
     def _worker_with_credit(self, role: str) -> WorkerInfo | None:
         candidates = [w for w in self.workers.values() if w.role == role and w.credits > 0]
@@ -484,11 +542,19 @@ class BrokerState:
         self.counters["groups_scored"] += 1
         if not kept:
             self.counters["groups_failed"] += 1
+            self._drop(group.group_id, "failed")
             return
         group.samples = kept
         if self.group_filter is not None and not self._passes_filter(group):
+            self._drop(group.group_id, "filtered")
             return
         self.buffer[group.group_id] = group
+        self._record(JournalBuffered(group=group))
+
+    def _drop(self, group_id: str, reason: str) -> None:
+        """A training group leaves without being trained (counted by the caller); the reason is kept."""
+        self.dropped[group_id] = reason
+        self._record(JournalDropped(group_id=group_id, reason=reason))  # type: ignore[arg-type]
 
     def _passes_filter(self, group: Group) -> bool:
         """Run the dynamic sampling filter on a scored group and count the decision."""
@@ -510,8 +576,35 @@ class BrokerState:
 
     # --- training ------------------------------------------------------------------------------
 
-    def request_batch(self, identity: bytes, step: int, n_groups: int, policy_version: int, now: float) -> None:
+    def request_batch(self, identity: bytes, step: int, n_groups: int, policy_version: int, now: float) -> Outgoing:
+        """Record the trainer's request for step `step`; a step that already has a batch gets the same
+        groups again at once (a lost reply, a restarted broker, or a trainer resumed from a checkpoint).
+
+        Raises CannotServeStep for a finished step whose batch was released (it is before the last
+        checkpoint the trainer reported): the trainer resumed from the wrong place.
+        """
+        self.pending_batch = None
+        if step in self.step_batches:
+            return self._resend_batch(identity, step, policy_version)
+        if step < self.trained_steps:
+            raise CannotServeStep(
+                f"the trainer asked for step {step}, but the job has trained {self.trained_steps} steps and released "
+                f"the batches before step {self.checkpoint_steps} when the trainer reported a checkpoint there: resume "
+                "the trainer from that checkpoint or a later one (--load latest)"
+            )  # fmt: skip
         self.pending_batch = PendingBatch(identity, step, n_groups, policy_version, now)
+        return []
+
+    def _resend_batch(self, identity: bytes, step: int, policy_version: int) -> Outgoing:
+        ids = self.step_batches[step]
+        groups = [self.training[g] if g in self.training else self.retained[g] for g in ids]
+        if step < self.trained_steps:
+            self.counters["steps_replayed"] += 1
+        else:
+            self.counters["batches_resent"] += 1
+        staleness = [policy_version - g.oldest_version for g in groups]
+        stats = {"staleness_mean": float(np.mean(staleness)), "staleness_max": float(np.max(staleness)), "batch_wait_s": 0.0}
+        return [(identity, TrainBatch(step=step, groups=groups, stats=stats))]
 
     def try_fill_batch(self, now: float) -> Outgoing:
         """Answer the trainer's pending request if enough trainable groups are buffered."""
@@ -522,12 +615,15 @@ class BrokerState:
         for group_id in [g for g, grp in self.buffer.items() if pending.policy_version - grp.oldest_version > limit]:
             del self.buffer[group_id]
             self.counters["groups_dropped_stale"] += 1
+            self._drop(group_id, "stale")
         if len(self.buffer) < pending.n_groups:
             return []
         ordered = sorted(self.buffer, key=lambda g: self.dispatch_seq.get(g, 0))[: pending.n_groups]
         groups = [self.buffer.pop(g) for g in ordered]
         for group in groups:
             self.training[group.group_id] = group
+        self.step_batches[pending.step] = list(ordered)
+        self._record(JournalBatch(step=pending.step, group_ids=list(ordered), policy_version=pending.policy_version))
         staleness = [pending.policy_version - g.oldest_version for g in groups]
         stats = {
             "staleness_mean": float(np.mean(staleness)),
@@ -561,13 +657,52 @@ class BrokerState:
         return float(sum(float(w.stats.get(key, 0.0)) for w in self.workers.values() if w.role == role))
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
-        for group_id in group_ids:
-            if self.training.pop(group_id, None) is not None:
+        """The trainer finished `step`. Idempotent: a repeated report (after a reconnect, or of a
+        replayed step) changes nothing. The broker's record of the step's batch decides which groups
+        were trained; a report naming other groups is counted as a bad message."""
+        ids = self.step_batches.get(step)
+        if ids is None:
+            if step >= self.trained_steps:
+                self.counters["bad_messages"] += 1  # a step that never had a batch
+            return []
+        if sorted(group_ids) != sorted(ids):
+            self.counters["bad_messages"] += 1
+        newly_done = step >= self.trained_steps or any(g in self.training for g in ids)
+        self.apply_step_done(step)
+        if newly_done:
+            self._record(JournalStepDone(step=step, counters=dict(self.counters)))
+        return self._maybe_finish()
+
+    def apply_step_done(self, step: int) -> None:
+        """Move step `step`'s groups from training to trained (also used when replaying the journal)."""
+        for group_id in self.step_batches.get(step, []):
+            group = self.training.pop(group_id, None)
+            if group is not None and self.settings.retain_until_checkpoint:
+                self.retained[group_id] = group
+            first = self.trained_in_step.setdefault(group_id, step)
+            if first != step:
+                self.counters["groups_trained_twice"] += 1
+            elif group is not None:
                 self.counters["groups_trained"] += 1
         self.trained_steps = max(self.trained_steps, step + 1)
+        if not self.settings.retain_until_checkpoint:
+            self.release_batches_before(self.trained_steps)
         if self.trained_steps >= self.settings.num_rollout:
             self.training_done = True
-        return self._maybe_finish()
+
+    def on_checkpoint(self, steps_done: int) -> None:
+        """The trainer saved a resumable checkpoint after `steps_done` steps: it will never ask for an
+        earlier step again, so those batches are released."""
+        if steps_done <= self.checkpoint_steps:
+            return
+        self.release_batches_before(steps_done)
+        self._record(JournalCheckpoint(steps_done=steps_done))
+
+    def release_batches_before(self, steps_done: int) -> None:
+        self.checkpoint_steps = max(self.checkpoint_steps, min(steps_done, self.trained_steps))
+        for step in [s for s in self.step_batches if s < self.checkpoint_steps]:
+            for group_id in self.step_batches.pop(step):
+                self.retained.pop(group_id, None)
 
     def _maybe_finish(self) -> Outgoing:
         """Finish (tell every worker to shut down) once training is done and no eval is outstanding."""
@@ -585,6 +720,7 @@ class BrokerState:
         if version > self.published_version or self.weight_endpoint != endpoint:
             self.published_version = max(self.published_version, version)
             self.weight_endpoint = endpoint
+            self._record(JournalPublished(version=self.published_version, endpoint=endpoint))
             announce = WeightVersionAnnounce(version=self.published_version, endpoint=endpoint)
             out = [(w.identity, announce) for w in self.workers.values() if w.role == "rollout"]
         if step is not None and self.evals is not None and self.evals.is_due(step):
@@ -608,11 +744,23 @@ class BrokerState:
 
     # --- status --------------------------------------------------------------------------------
 
+    @property
+    def groups_lost(self) -> int:
+        """Admitted training groups that are nowhere: not trained, not dropped for a recorded reason,
+        not in any queue. Must be 0; computed from the ledgers, not from the counters."""
+        placed = set(self.trained_in_step) | set(self.dropped) | set(self.buffer) | set(self.training)
+        placed |= {g.group_id for g in self.retry_queue} | set(self.generating) | set(self.scoring)
+        placed |= {g.group_id for g in self.to_score}
+        return len(self.admitted_ids - placed)
+
     def status(self, now: float) -> dict[str, Any]:
         return {
             "weight_version": self.published_version,
             "step": self.trained_steps,
             "finished": self.finished,
+            "groups_lost": self.groups_lost,
+            "groups_trained_twice": self.counters["groups_trained_twice"],
+            "checkpoint_steps": self.checkpoint_steps,
             "admission_limit": self.admission_limit,
             "committed": self.committed,
             "queues": {

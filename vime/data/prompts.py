@@ -10,6 +10,7 @@ found at load time rather than mid-run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class PromptCursor:
 
     def __init__(self, prompts: list[Prompt], *, shuffle: bool, seed: int) -> None:
         self._prompts = prompts
+        self._by_index = {p.index: p for p in prompts}
         self._shuffle = shuffle
         self._seed = seed
         self.epoch = 0
@@ -151,6 +153,25 @@ class PromptCursor:
 
     def __len__(self) -> int:
         return len(self._prompts)
+
+    def prompt(self, index: int) -> Prompt:
+        """The prompt with dataset index `index` (Prompt.index)."""
+        return self._by_index[index]
+
+    def seek(self, epoch: int, position: int) -> None:
+        """Continue from a saved place (the broker's journal): `position` prompts of `epoch` used."""
+        if epoch < 0 or not 0 <= position <= len(self._prompts):
+            raise ValueError(f"cursor place epoch {epoch} position {position} is outside a dataset of {len(self._prompts)}")
+        self.epoch, self.position = epoch, position
+        self._order = self._order_for(epoch)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this prompt stream: a journal written for another stream is refused."""
+        digest = hashlib.sha256()
+        for prompt in self._prompts:
+            digest.update(prompt.text.encode())
+            digest.update(b"\0")
+        return {"prompts": len(self._prompts), "shuffle": self._shuffle, "seed": self._seed, "sha256": digest.hexdigest()[:16]}
 
     def next(self) -> tuple[int, Prompt]:
         """The next prompt and its epoch."""

@@ -55,6 +55,10 @@ ERROR_OVERSIZED = "oversized"
 ERROR_UNKNOWN_TYPE = "unknown_type"
 ERROR_BAD_VERSION = "bad_version"
 ERROR_INVALID = "invalid"
+# The sender is not registered (the broker restarted and lost its session): say Hello again.
+ERROR_UNKNOWN_PEER = "unknown_peer"
+# The trainer asked for a step the broker can no longer serve (see BrokerState.request_batch).
+ERROR_CANNOT_RESUME = "cannot_resume"
 
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):

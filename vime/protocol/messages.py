@@ -11,9 +11,11 @@ Conversation shapes (worker -> broker, broker -> worker):
   worker returns GroupsGenerated -> Ack. WeightVersionAnnounce tells it a newer version exists.
 - reward: Credit(n); broker sends ScoreGroups; worker returns GroupsScored -> Ack.
 - trainer: BatchRequest -> TrainBatch (held until enough admissible groups exist);
-  StepDone and WeightsPublished -> Ack. EvalResult (broker -> trainer) when an eval run is scored.
+  StepDone, WeightsPublished and CheckpointSaved -> Ack. A BatchRequest for a step that already has a
+  batch gets the same groups again. EvalResult (broker -> trainer) when an eval run is scored.
 - status: StatusRequest -> StatusReply.
-- any malformed or unexpected message -> ErrorReply; Shutdown ends a worker.
+- any malformed or unexpected message -> ErrorReply; Shutdown ends a worker. ErrorReply code
+  `unknown_peer` means the broker does not know the sender (it restarted): say Hello again.
 """
 
 from __future__ import annotations
@@ -270,6 +272,17 @@ class EvalResult(Message, tag="eval_result"):
         require(self.step >= -1, f"eval step must be >= -1, got {self.step}")
         for key, value in self.metrics.items():
             require(bool(np.isfinite(value)), f"eval metric {key} = {value} is not finite")
+
+
+class CheckpointSaved(Message, tag="checkpoint_saved"):
+    """Trainer rank 0 saved a resumable checkpoint after `steps_done` steps (`--load` resumes from it):
+    the broker may release the batches of earlier steps. Answered with Ack."""
+
+    steps_done: int
+    path: str = ""
+
+    def validate(self) -> None:
+        require(self.steps_done >= 1, f"steps_done must be >= 1, got {self.steps_done}")
 
 
 class WeightsPublished(Message, tag="weights_published"):

@@ -70,6 +70,16 @@ class PolicyTrainer:
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         raise NotImplementedError
 
+    supports_resume = True
+
+    def training_state(self) -> dict[str, Any] | None:
+        """Weights, optimizer and schedule for `--load` (vime.trainer.checkpoint); None on ranks that
+        do not write. Backends without resume set `supports_resume = False`."""
+        raise NotImplementedError
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
     def _advantages(self, batch: RolloutBatch) -> Tensor:
         """Per-token advantages of the whole batch for the critic-free estimators."""
         cfg = self.cfg

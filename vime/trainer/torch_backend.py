@@ -525,6 +525,39 @@ class TorchTrainer(PolicyTrainer):
         if self.distributed:
             dist.barrier(device_ids=[self.device.index] if dist.get_backend() == "nccl" else None)
 
+    def training_state(self) -> dict[str, Any] | None:
+        """Everything `--load` needs besides the RNG (vime.trainer.checkpoint): full fp32 weights and
+        optimizer state (gathered under FSDP2: collective), scheduler, step counts; None on ranks > 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state: dict[str, Any] = {
+            "model": get_model_state_dict(self.module, options=options),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=options),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+        }
+        if self.critic is not None:
+            state["critic_model"] = get_model_state_dict(self.critic.module, options=options)
+            state["critic_optimizer"] = get_optimizer_state_dict(self.critic.module, self.critic.optimizer, options=options)
+        return state if self.rank == 0 else None
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Every rank: restore what `training_state` saved (each rank reads the full file)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.module, state["model"], options=options)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        if self.critic is not None:
+            if "critic_model" not in state:
+                raise ValueError("the checkpoint has no critic (it was not saved by a PPO run)")
+            set_model_state_dict(self.critic.module, state["critic_model"], options=options)
+            set_optimizer_state_dict(self.critic.module, self.critic.optimizer, state["critic_optimizer"], options=options)
+
+
 # ---------------------------------------------------------------------------------------- helpers
 
 

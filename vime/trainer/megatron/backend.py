@@ -104,6 +104,10 @@ class _SwitchToReplayBackward(torch.autograd.Function):
 class MegatronTrainer(PolicyTrainer):
     """Policy (and optional frozen reference) as Megatron GPTModels on this rank. See module docstring."""
 
+    # Resuming needs Megatron's sharded (distributed-optimizer) checkpoint format; not built yet.
+    # --save-interval still writes HF weights, and --load is refused at start-up with this reason.
+    supports_resume = False
+
     def __init__(self, cfg: MegatronTrainerConfig) -> None:
         from transformers import AutoConfig
 

@@ -1,0 +1,300 @@
+"""The broker's durable journal: file format, crash recovery at any point, replay of steps, compaction.
+
+The central test drives a `BrokerState` through a random job (workers generating, failing and dying,
+a dynamic-sampling filter dropping groups, a trainer that saves checkpoints and is resumed) with the
+journal written to a real file, "kills" the broker at random points (a new state restored from the file,
+the old one thrown away with everything in flight), and checks at the end that every prompt was trained
+exactly once, `groups_lost` and `groups_trained_twice` are 0, and each step's batch is the same however
+often it was asked for.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vime.broker.journal import JournalError, JournalWriter, encode_record, read_journal
+from vime.broker.recovery import compacted, header_for, restore, steps_recorded
+from vime.broker.state import BrokerSettings, BrokerState, CannotServeStep
+from vime.data.prompts import Prompt, PromptCursor
+from vime.filters import FilterDecision
+from vime.protocol.messages import DispatchGroups, Group, GroupScores, Sample, ScoreGroups, TrainBatch
+
+ROLLOUT, REWARD, TRAINER = b"r1", b"w1", b"t0"
+N_PROMPTS = 48
+
+
+def make_state(*, batch: int = 4, staleness: int = 1, num_rollout: int = 12, retain: bool = True,
+               prompts: int = N_PROMPTS, with_filter: bool = False) -> BrokerState:  # fmt: skip
+    rows = [Prompt(i, f"{i}+1=", np.array([i, 10], dtype=np.int32), str(i + 1)) for i in range(prompts)]
+    settings = BrokerSettings(
+        rollout_batch_size=batch, n_samples_per_prompt=2, max_staleness=staleness, update_weights_interval=1,
+        num_rollout=num_rollout, worker_timeout_s=10.0, sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 4},
+        retain_until_checkpoint=retain,
+    )  # fmt: skip
+
+    def drop_every_seventh(group: Group) -> FilterDecision:
+        keep = group.prompt_index % 7 != 3
+        return FilterDecision(keep=keep, reason=None if keep else "seventh")
+
+    return BrokerState(settings, PromptCursor(rows, shuffle=True, seed=5), group_filter=drop_every_seventh if with_filter else None)
+
+
+def connect(state: BrokerState, credits: int = 6) -> None:
+    state.register(ROLLOUT, "rollout-1", "rollout", now=0.0)
+    state.register(REWARD, "reward-1", "reward", now=0.0)
+    state.register(TRAINER, "trainer-0", "trainer", now=0.0)
+    state.add_credit(ROLLOUT, credits)
+    state.add_credit(REWARD, credits)
+
+
+def generated(group: Group, version: int, rng: random.Random) -> Group:
+    length = rng.randint(1, 5)
+    group.samples = [
+        Sample(
+            index=i, response_tokens=np.arange(length, dtype=np.int32), rollout_logprobs=np.full(length, -0.5, dtype=np.float32),
+            loss_mask=np.ones(length, dtype=np.uint8), token_versions=np.full(length, version, dtype=np.int32), finish_reason="stop",
+        )  # fmt: skip
+        for i in range(group.n_samples)
+    ]
+    return group
+
+
+class Journaled:
+    """A BrokerState whose journal goes to a real file, with a `crash()` that restores from it."""
+
+    def __init__(self, path: Path, **kwargs: object) -> None:
+        self.path, self.kwargs = path, kwargs
+        self.state = make_state(**kwargs)  # type: ignore[arg-type]
+        self.writer = JournalWriter(path, fsync="never")
+        self.writer.append(header_for(self.state))
+        self.state.journal = self.writer
+        self.crashes = 0
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def crash(self, compact: bool = False) -> None:
+        """The broker dies: everything not in the file is gone; a new one restores and workers rejoin."""
+        self.flush()
+        self.writer.close()
+        records, intact = read_journal(self.path)
+        self.state = make_state(**self.kwargs)  # type: ignore[arg-type]
+        restore(self.state, records)
+        self.writer = JournalWriter(self.path, fsync="never", truncate_to=intact)
+        if compact:
+            self.writer.rewrite(compacted(self.state))
+        self.state.journal = self.writer
+        connect(self.state)
+        self.crashes += 1
+
+
+def test_journal_file_round_trip_torn_tail_and_damage(tmp_path: Path) -> None:
+    state = make_state()
+    writer = JournalWriter(tmp_path / "j", fsync="always")
+    writer.append(header_for(state))
+    group = generated(state.group_for(0, 3), version=2, rng=random.Random(0))
+    from vime.broker.journal import JournalBuffered, JournalStepDone
+
+    writer.append(JournalBuffered(group=group))
+    writer.append(JournalStepDone(step=4, counters={"groups_trained": 7}))
+    writer.flush()
+    writer.close()
+    records, intact = read_journal(tmp_path / "j")
+    assert [type(r).__name__ for r in records] == ["JournalHeader", "JournalBuffered", "JournalStepDone"]
+    back = records[1].group  # type: ignore[attr-defined]
+    assert back.group_id == group.group_id
+    assert np.array_equal(back.samples[1].token_versions, group.samples[1].token_versions)
+    assert steps_recorded(records) == 5
+    data = (tmp_path / "j").read_bytes()
+    assert intact == len(data)
+
+    # The broker died in the middle of writing a record: the torn record is dropped, the rest kept.
+    torn = data + encode_record(JournalStepDone(step=5))[:-3]
+    (tmp_path / "j").write_bytes(torn)
+    records, intact = read_journal(tmp_path / "j")
+    assert len(records) == 3 and intact == len(data)
+
+    # A flipped byte inside an earlier record is damage, reported with its offset, never skipped.
+    damaged = bytearray(data + encode_record(JournalStepDone(step=5)))
+    damaged[len(data) // 2] ^= 0xFF
+    (tmp_path / "j").write_bytes(bytes(damaged))
+    with pytest.raises(JournalError, match="at byte"):
+        read_journal(tmp_path / "j")
+
+
+def test_journal_of_another_dataset_is_refused(tmp_path: Path) -> None:
+    state = make_state()
+    records = [header_for(state)]
+    other = make_state(prompts=N_PROMPTS + 1)
+    with pytest.raises(JournalError, match="different job.*dataset"):
+        restore(other, records)
+
+
+def drive(job: Journaled, rng: random.Random, *, crash_p: float, trainer_resume_p: float) -> dict[int, list[str]]:
+    """Run the job to the end with random event order, worker deaths, broker crashes and trainer resumes.
+    Returns the batch the trainer trained for each step (the last time it trained that step)."""
+    trained: dict[int, list[str]] = {}
+    step, version = 0, 0
+    saved = 0  # the trainer's last resumable checkpoint (steps done)
+    current: list[str] | None = None  # the batch the trainer holds for `step`
+    generating: list[Group] = []
+    scoring: list[Group] = []
+    connect(job.state)
+    job.state.on_weights_published(0, "tcp://w:1")
+    for _ in range(20_000):
+        state = job.state
+        if state.training_done and step >= state.settings.num_rollout:
+            break
+        event = rng.random()
+        if event < crash_p:
+            job.crash(compact=rng.random() < 0.5)
+            generating, scoring = [], []  # their late results would be dropped: unknown peers
+            job.state.on_weights_published(version, "tcp://w:1")  # the trainer re-sends if unacked; idempotent
+            continue
+        if event < crash_p + trainer_resume_p and saved < step:
+            step, current = saved, None  # the trainer is killed and resumed from its checkpoint
+            continue
+        generating += [g for _, m in state.dispatch() if isinstance(m, DispatchGroups) for g in m.groups]
+        if generating and rng.random() < 0.5:
+            group = generating.pop(rng.randrange(len(generating)))
+            state.on_generated(ROLLOUT, [generated(group, state.published_version, rng)])
+            state.add_credit(ROLLOUT, 1)
+        scoring += [g for _, m in state.dispatch_scoring() if isinstance(m, ScoreGroups) for g in m.groups]
+        if scoring and rng.random() < 0.5:
+            group = scoring.pop(rng.randrange(len(scoring)))
+            failed = [rng.random() < 0.1] * len(group.samples)  # now and then a whole group fails
+            rewards = [float(rng.random()) for _ in group.samples]
+            state.on_scored(REWARD, [GroupScores(group_id=group.group_id, rewards=rewards, failed=failed, reasons=[None] * len(rewards))])
+            state.add_credit(REWARD, 1)
+        # The trainer asks (again, if its batch is still out: a lost reply or a restarted broker) ...
+        out = state.request_batch(TRAINER, step, state.settings.rollout_batch_size, version, now=0.0) or state.try_fill_batch(now=0.0)
+        batches = [m for _, m in out if isinstance(m, TrainBatch)]
+        if batches:
+            assert batches[0].step == step
+            ids = [g.group_id for g in batches[0].groups]
+            if step in trained and step < state.trained_steps:
+                assert ids == trained[step], "a replayed step must get exactly the groups it had"
+            if current is not None:
+                assert ids == current, "a batch asked for again must be the same"
+            current = ids
+        # ... and finishes the step only some of the time, so crashes also hit steps in training.
+        if current is not None and rng.random() < 0.5:
+            ids, current = current, None
+            trained[step] = ids
+            state.on_step_done(step, ids)
+            step += 1
+            version += 1
+            state.on_weights_published(version, "tcp://w:1")
+            if step % 3 == 0:
+                saved = step
+                state.on_checkpoint(saved)
+        job.flush()
+    else:
+        raise AssertionError("the simulated job did not finish")
+    return trained
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_crashes_lose_nothing_and_train_nothing_twice(tmp_path: Path, seed: int) -> None:
+    job = Journaled(tmp_path / "broker.journal", with_filter=seed % 2 == 1)
+    trained = drive(job, random.Random(seed), crash_p=0.01, trainer_resume_p=0.004)
+    state = job.state
+    assert job.crashes > 0
+    ids = [g for step in sorted(trained) for g in trained[step]]
+    assert sorted(trained) == list(range(state.settings.num_rollout))
+    assert len(ids) == len(set(ids)), "a group was trained in two steps"
+    assert state.groups_lost == 0
+    assert state.counters["groups_trained_twice"] == 0
+    assert state.counters["broker_restarts"] == job.crashes
+    # Every admitted group (epoch, prompt) is trained once, dropped for a recorded reason, or still in the
+    # pipeline (admission runs ahead of the last step); none is two of these.
+    trained_ids, dropped_ids = set(ids), set(state.dropped)
+    assert not trained_ids & dropped_ids
+    in_pipeline = {g.group_id for g in state.retry_queue} | set(state.buffer) | set(state.generating) | set(state.scoring)
+    in_pipeline |= {g.group_id for g in state.to_score}
+    assert state.admitted_ids == trained_ids | dropped_ids | in_pipeline
+    assert not in_pipeline & (trained_ids | dropped_ids)
+
+
+def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
+    """Restore at many points of a run and compare every durable part with the live state."""
+    rng = random.Random(11)
+    job = Journaled(tmp_path / "broker.journal")
+    connect(job.state)
+    state = job.state
+    state.on_weights_published(0, "tcp://w:1")
+    in_flight: list[Group] = []
+    step = 0
+    for i in range(400):
+        in_flight += [g for _, m in state.dispatch() if isinstance(m, DispatchGroups) for g in m.groups]
+        if in_flight and rng.random() < 0.6:
+            group = in_flight.pop(0)
+            state.on_generated(ROLLOUT, [generated(group, state.published_version, rng)])
+            state.add_credit(ROLLOUT, 1)
+        for _, msg in state.dispatch_scoring():
+            assert isinstance(msg, ScoreGroups)
+            scores = [GroupScores(group_id=g.group_id, rewards=[1.0, 0.0], failed=[False, False], reasons=[None, None]) for g in msg.groups]
+            state.on_scored(REWARD, scores)
+            state.add_credit(REWARD, len(scores))
+        out = state.request_batch(TRAINER, step, 4, step, now=0.0) or state.try_fill_batch(now=0.0)
+        if out and not state.training_done:
+            state.on_step_done(step, [g.group_id for g in out[0][1].groups])  # type: ignore[attr-defined]
+            step += 1
+            state.on_weights_published(step, "tcp://w:1")
+            if step % 2 == 0:
+                state.on_checkpoint(step)
+        if i % 37 == 0:
+            job.flush()
+            records, _ = read_journal(job.path)
+            for source in (records, compacted(state)):
+                restored = make_state()
+                restore(restored, list(source))
+                assert list(restored.buffer) == list(state.buffer)
+                assert set(restored.training) == set(state.training)
+                assert restored.step_batches == state.step_batches
+                assert set(restored.retained) == set(state.retained)
+                assert set(restored.trained_in_step) == set(state.trained_in_step)
+                assert restored.dropped == state.dropped
+                assert (restored.trained_steps, restored.checkpoint_steps) == (state.trained_steps, state.checkpoint_steps)
+                assert (restored.published_version, restored.weight_endpoint) == (state.published_version, state.weight_endpoint)
+                assert (restored.cursor.epoch, restored.cursor.position) == (state.cursor.epoch, state.cursor.position)
+                unfinished = [g.group_id for g in state.retry_queue] + list(state.generating) + list(state.scoring)
+                unfinished += [g.group_id for g in state.to_score]
+                assert sorted(g.group_id for g in restored.retry_queue) == sorted(unfinished)
+                for key in ("groups_admitted", "groups_trained", "groups_failed", "groups_dropped_stale"):
+                    assert restored.counters[key] == state.counters[key], key
+                assert restored.groups_lost == 0
+    assert step > 4
+
+
+def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
+    state = make_state(batch=2, staleness=3, num_rollout=10)
+    connect(state, credits=20)
+    state.on_weights_published(0, "tcp://w:1")
+    rng = random.Random(0)
+    for group in [g for _, m in state.dispatch() if isinstance(m, DispatchGroups) for g in m.groups]:
+        state.on_generated(ROLLOUT, [generated(group, 0, rng)])
+    for _, msg in state.dispatch_scoring():
+        scores = [GroupScores(group_id=g.group_id, rewards=[1.0, 0.5], failed=[False] * 2, reasons=[None] * 2) for g in msg.groups]  # type: ignore[attr-defined]
+        state.on_scored(REWARD, scores)
+    batches = {}
+    for step in range(4):
+        out = state.request_batch(TRAINER, step, 2, 0, now=0.0) or state.try_fill_batch(now=0.0)
+        batches[step] = [g.group_id for g in out[0][1].groups]  # type: ignore[attr-defined]
+        state.on_step_done(step, batches[step])
+        if step == 1:
+            state.on_checkpoint(2)
+    # A trainer resumed from the checkpoint after step 2 gets steps 2 and 3 again, the same groups.
+    for step in (2, 3):
+        out = state.request_batch(TRAINER, step, 2, 5, now=0.0)
+        assert [g.group_id for g in out[0][1].groups] == batches[step]  # type: ignore[attr-defined]
+        state.on_step_done(step, batches[step])
+    assert state.counters["steps_replayed"] == 2
+    assert state.counters["groups_trained"] == 8 and state.counters["groups_trained_twice"] == 0
+    # Steps before the checkpoint were released: asking for them is an error that says what to do.
+    with pytest.raises(CannotServeStep, match="--load latest"):
+        state.request_batch(TRAINER, 1, 2, 5, now=0.0)

@@ -1,0 +1,189 @@
+"""Rebuild a `BrokerState` from its journal, and write the compacted form of a live state.
+
+Restoring replays the records in order onto a fresh state built from the same flags:
+- admitted groups that never reached the buffer (they were generating, waiting for or being scored)
+  go back to the retry queue and are generated again: their tokens were not journaled, and the
+  worker that held them has lost its lease with the old broker (its late result is dropped by id);
+- buffered groups come back with their samples and rewards;
+- a step's batch that was out for training stays assigned to that step: the trainer gets the same
+  groups when it asks again;
+- trained groups the trainer's last checkpoint does not cover stay replayable;
+- the published weight version, the trainer's step and the prompt cursor continue where they were.
+Counters that are derived from the records (admitted, trained, failed, filtered, stale) are exact;
+the others (dispatched, requeued, ...) continue from the last snapshot in the journal.
+Eval runs in progress are not journaled: they are not training data, and the next due eval runs as usual.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Any
+
+from vime.broker.journal import (
+    JOURNAL_FORMAT, JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalError,
+    JournalHeader, JournalPublished, JournalRecord, JournalSnapshot, JournalStepDone,
+)
+from vime.broker.state import BrokerState
+from vime.protocol.messages import Group
+
+# Counters recomputed from the records; the rest come from the newest snapshot of them.
+DERIVED_COUNTERS = ("groups_admitted", "groups_trained", "groups_failed", "groups_filtered", "groups_dropped_stale")
+DROP_COUNTERS = {"failed": "groups_failed", "filtered": "groups_filtered", "stale": "groups_dropped_stale"}
+
+
+def job_fingerprint(state: BrokerState) -> dict[str, Any]:
+    """What must not change between a journal and the broker that restores it."""
+    s = state.settings
+    return {
+        "dataset": state.cursor.fingerprint(),
+        "rollout_batch_size": s.rollout_batch_size,
+        "n_samples_per_prompt": s.n_samples_per_prompt,
+    }
+
+
+def header_for(state: BrokerState) -> JournalHeader:
+    return JournalHeader(format=JOURNAL_FORMAT, fingerprint=job_fingerprint(state))
+
+
+def restore(state: BrokerState, records: list[JournalRecord]) -> None:
+    """Replay `records` onto `state` (fresh, built from the job's flags). Raises JournalError when the
+    journal belongs to another job or contradicts itself."""
+    if not records or not isinstance(records[0], JournalHeader):
+        raise JournalError("the journal does not start with a header record")
+    _check_header(state, records[0])
+    unfinished: dict[str, JournalAdmit] = {}
+    counters: dict[str, int] = {}
+    admitted = 0
+    for record in records[1:]:
+        if isinstance(record, JournalSnapshot):
+            counters = dict(record.counters)
+            admitted = record.counters.get("groups_admitted", 0)
+            _apply_snapshot(state, record)
+        elif isinstance(record, JournalAdmit):
+            unfinished[record.group_id] = record
+            state.admitted_ids.add(record.group_id)
+            state.dispatch_seq[record.group_id] = record.seq
+            state._next_seq = max(state._next_seq, record.seq + 1)
+            state.cursor.seek(record.cursor_epoch, record.cursor_position)
+            admitted += 1
+        elif isinstance(record, JournalBuffered):
+            group = record.group
+            if unfinished.pop(group.group_id, None) is None:
+                raise JournalError(f"journal: group {group.group_id} buffered but never admitted")
+            state.buffer[group.group_id] = group
+        elif isinstance(record, JournalDropped):
+            unfinished.pop(record.group_id, None)
+            state.buffer.pop(record.group_id, None)
+            state.dropped[record.group_id] = record.reason
+        elif isinstance(record, JournalBatch):
+            missing = [g for g in record.group_ids if g not in state.buffer]
+            if missing:
+                raise JournalError(f"journal: step {record.step}'s batch names groups not in the buffer: {missing[:5]}")
+            for group_id in record.group_ids:
+                state.training[group_id] = state.buffer.pop(group_id)
+            state.step_batches[record.step] = list(record.group_ids)
+        elif isinstance(record, JournalStepDone):
+            state.apply_step_done(record.step)
+            counters = dict(record.counters)
+        elif isinstance(record, JournalCheckpoint):
+            state.release_batches_before(record.steps_done)
+        elif isinstance(record, JournalPublished):
+            state.published_version = max(state.published_version, record.version)
+            state.weight_endpoint = record.endpoint
+        elif isinstance(record, JournalHeader):
+            raise JournalError("journal: a second header record (two journals concatenated?)")
+    state.counters.update({k: v for k, v in counters.items() if k in state.counters})
+    state.counters["groups_admitted"] = admitted
+    state.counters["groups_trained"] = sum(1 for _ in state.trained_in_step)
+    for reason, key in DROP_COUNTERS.items():
+        state.counters[key] = sum(1 for r in state.dropped.values() if r == reason)
+    state.counters["broker_restarts"] += 1
+    ordered = sorted(unfinished.values(), key=lambda a: a.seq)
+    state.retry_queue = deque(state.group_for(a.epoch, a.prompt_index) for a in ordered)
+    state.buffer = OrderedDict(sorted(state.buffer.items(), key=lambda kv: state.dispatch_seq.get(kv[0], 0)))
+    if state.trained_steps >= state.settings.num_rollout:
+        state.training_done = True
+
+
+def steps_recorded(records: list[JournalRecord]) -> int:
+    """How many training steps the journal says were finished (to tell a finished job from one to resume)."""
+    steps = 0
+    for record in records:
+        if isinstance(record, JournalSnapshot):
+            steps = max(steps, record.trained_steps)
+        elif isinstance(record, JournalStepDone):
+            steps = max(steps, record.step + 1)
+    return steps
+
+
+def _check_header(state: BrokerState, header: JournalHeader) -> None:
+    if header.format != JOURNAL_FORMAT:
+        raise JournalError(f"journal format {header.format}, this build reads format {JOURNAL_FORMAT}")
+    expected = job_fingerprint(state)
+    if header.fingerprint != expected:
+        changed = sorted(k for k in expected.keys() | header.fingerprint.keys() if expected.get(k) != header.fingerprint.get(k))
+        raise JournalError(
+            f"the journal was written for a different job ({', '.join(changed)} differ: journal "
+            f"{ {k: header.fingerprint.get(k) for k in changed} }, now { {k: expected.get(k) for k in changed} }); "
+            "use a new --run-dir, or move the old journal away to start over"
+        )
+
+
+def _apply_snapshot(state: BrokerState, snap: JournalSnapshot) -> None:
+    state.cursor.seek(snap.cursor_epoch, snap.cursor_position)
+    state._next_seq = snap.next_seq
+    state.published_version = snap.published_version
+    state.weight_endpoint = snap.weight_endpoint
+    state.trained_steps = snap.trained_steps
+    state.checkpoint_steps = snap.checkpoint_steps
+    state.trained_in_step = {g: -1 for g in snap.trained_ids}
+    state.dropped = dict(snap.dropped)
+    state.admitted_ids = set(snap.trained_ids) | set(snap.dropped)
+
+
+def compacted(state: BrokerState) -> list[JournalRecord]:
+    """The live state as a fresh journal: header, a snapshot of everything finished, then the records
+    that rebuild the groups still in play (admitted-unfinished, buffered, in training, replayable)."""
+    live = set(state.retained) | set(state.training)
+    finished = {g: s for g, s in state.trained_in_step.items() if g not in live}
+    records: list[JournalRecord] = [
+        header_for(state),
+        JournalSnapshot(
+            cursor_epoch=state.cursor.epoch, cursor_position=state.cursor.position, next_seq=state._next_seq,
+            published_version=state.published_version, weight_endpoint=state.weight_endpoint,
+            trained_steps=state.trained_steps, checkpoint_steps=state.checkpoint_steps,
+            trained_ids=sorted(finished), dropped=dict(state.dropped),
+            counters={**state.counters, "groups_admitted": state.counters["groups_admitted"] - len(_in_play(state))},
+        ),  # fmt: skip
+    ]
+    cursor_place = {"cursor_epoch": state.cursor.epoch, "cursor_position": state.cursor.position}
+    payloads: dict[str, Group] = {**state.retained, **state.training, **state.buffer}
+    for group_id in sorted(_in_play(state), key=lambda g: state.dispatch_seq.get(g, 0)):
+        epoch, index = _epoch_and_index(group_id, payloads, state)
+        records.append(JournalAdmit(group_id=group_id, epoch=epoch, prompt_index=index, seq=state.dispatch_seq.get(group_id, 0), **cursor_place))
+        if group_id in payloads:
+            records.append(JournalBuffered(group=payloads[group_id]))
+    for step in sorted(state.step_batches):
+        ids = state.step_batches[step]
+        records.append(JournalBatch(step=step, group_ids=list(ids), policy_version=-1))
+        if step < state.trained_steps and not any(g in state.training for g in ids):
+            records.append(JournalStepDone(step=step, counters={}))
+    return records
+
+
+def _in_play(state: BrokerState) -> set[str]:
+    """Admitted training groups not finished: everything except trained-and-released and dropped."""
+    released = {g for g in state.trained_in_step if g not in state.retained and g not in state.training}
+    return state.admitted_ids - released - set(state.dropped)
+
+
+def _epoch_and_index(group_id: str, payloads: dict[str, Group], state: BrokerState) -> tuple[int, int]:
+    if group_id in payloads:
+        return payloads[group_id].epoch, payloads[group_id].prompt_index
+    for group in (*state.retry_queue, *state.to_score, *(g for g, _ in state.generating.values()), *(g for g, _ in state.scoring.values())):
+        if group.group_id == group_id:
+            return group.epoch, group.prompt_index
+    raise JournalError(f"compaction: group {group_id} is admitted but nowhere in the state")
+
+
+__all__ = ["restore", "compacted", "header_for", "job_fingerprint", "steps_recorded"]
