@@ -26,10 +26,15 @@ if [ "${VIME_GPU_PARALLEL:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
 fi
 # The whole pipeline (broker, transformers rollout worker, reward worker) with the Megatron trainer: the CPU
 # demo's GRPO task, 60 steps (needs pyzmq, msgspec, pydantic wheels too; skipped with VIME_GPU_E2E=0).
+# It stops after 40 steps (checkpoints every 20), then `--load latest` resumes it to 60: the broker
+# continues from its journal, the trainer from its step-40 checkpoint.
 if [ "${VIME_GPU_E2E:-1}" = 1 ]; then
-  python3 -m vime.cli run configs/demo.yaml --train-backend megatron --rollout-engine hf --num-rollout 60 \
-    --run-dir /tmp/vime-gpu-e2e --hf-checkpoint /tmp/vime-gpu-e2e-model --no-progress || status=1
+  e2e=(configs/demo.yaml --train-backend megatron --rollout-engine hf --save-interval 20
+       --run-dir /tmp/vime-gpu-e2e --hf-checkpoint /tmp/vime-gpu-e2e-model --no-progress)
+  python3 -m vime.cli run "${e2e[@]}" --num-rollout 40 || status=1
+  python3 -m vime.cli run "${e2e[@]}" --num-rollout 60 --no-make-demo-model --load latest || status=1
   cp /tmp/vime-gpu-e2e/metrics.jsonl "$out/e2e_metrics.jsonl" 2>/dev/null || true
+  cp /tmp/vime-gpu-e2e/status.json "$out/e2e_status.json" 2>/dev/null || true
   python3 -m vime.cli report /tmp/vime-gpu-e2e 2>&1 | tail -15 || status=1
 fi
 exit "$status"

@@ -35,8 +35,8 @@ from helpers_sockets import Recorder, bare_context, dealer, free_port, start_bro
 import vime.security
 from vime.broker.client import BrokerClient, BrokerGone, query_status
 from vime.broker.server import BrokerServer
-from vime.protocol.codec import encode
-from vime.protocol.messages import Credit, DispatchGroups, GroupsGenerated, Hello
+from vime.protocol.codec import decode, encode
+from vime.protocol.messages import Credit, DispatchGroups, ErrorReply, GroupsGenerated, Hello, Welcome
 from vime.protocol.weights import WeightFetch
 from vime.security import (
     HandshakeRejected,
@@ -272,6 +272,28 @@ def test_only_clients_with_an_allowed_key_can_join_submit_or_get_work(
     assert [w["worker_id"].split("-")[0] for w in status["workers"]] == ["rollout"]
     assert status["counters"]["bad_messages"] == 0
     assert status["counters"]["groups_generated"] == 0
+
+
+def test_a_client_key_named_for_a_role_can_only_join_in_that_role(
+    curve_broker: tuple[str, BrokerServer], keys: dict[str, Security]
+) -> None:
+    """A leaked rollout key must not let its holder pose as the trainer (which receives the training
+    data and publishes weights) or as a reward worker (which decides the rewards)."""
+    endpoint, server = curve_broker
+    with bare_context() as ctx:
+        for key_role_name, claimed in [("rollout", "trainer"), ("rollout", "reward"), ("status", "rollout"), ("reward", "reward")]:
+            sock = dealer(ctx, endpoint, keys["job"].keys_dir, role=key_role_name)
+            sock.send_multipart(encode(Hello(role=claimed, worker_id=f"{claimed}-via-{key_role_name}")))  # type: ignore[arg-type]
+            assert sock.poll(5000), "no reply"
+            reply = decode(sock.recv_multipart())
+            if key_role_name == claimed:
+                assert isinstance(reply, Welcome)
+            else:
+                assert isinstance(reply, ErrorReply), (key_role_name, claimed, reply)
+                assert f"the client key '{key_role_name}' is a {key_role_name} key; it may not join as {claimed}" in reply.detail
+            sock.close()
+    joined = sorted(w.worker_id for w in server.state.workers.values())
+    assert joined == ["reward-via-reward"]
 
 
 def test_vime_status_needs_the_status_key(

@@ -434,6 +434,27 @@ def peer_of(frame: Any) -> str:
     return f"{address} ({user})" if user else str(address)
 
 
+ROLES = ("rollout", "reward", "trainer", "status")
+
+
+def key_role(key_name: str) -> str | None:
+    """The role a client key is bound to by its name: "rollout" and "rollout-node7" are rollout keys.
+    A name that starts with no role (e.g. "node7") binds none (any role; the broker warns)."""
+    for role in ROLES:
+        if key_name == role or key_name.startswith(role + "-"):
+            return role
+    return None
+
+
+def sender_key_name(frame: Any) -> str | None:
+    """The CURVE client key name of a received frame (its ZMQ User-Id), None under plaintext."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return _text(user) or None
+
+
 # --- ZAP --------------------------------------------------------------------------------------------
 
 

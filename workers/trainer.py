@@ -14,8 +14,8 @@ while a long step runs.
 Faults: StepDone, WeightsPublished and CheckpointSaved wait for the broker's Ack; if the broker restarted
 meanwhile (it answers `unknown_peer`), rank 0 says Hello again and re-sends what is unanswered,
 including its BatchRequest, which the broker answers with the same batch as before. `--load` resumes
-from a checkpoint: the steps after it are trained again on the same groups (the broker kept them), and
-weights are published under a version above any the broker has seen, so rollout workers move to them.
+from a checkpoint: the steps after it are trained again on the same groups (the broker kept them and
+marks them `replayed`); publication resumes with the first step the job had not reached.
 """
 
 from __future__ import annotations
@@ -264,9 +264,12 @@ class LeaderLoop:
         job = await self.client.hello(weight_version=self.version)
         first_step = self.resume.steps_done if self.resume else 0
         if job.weight_endpoint is not None:
-            # The job has published weights before (a resumed or restarted trainer): rollout workers only
-            # move to newer versions, so ours must be above every version they may hold.
-            self.version = max(self.version, job.weight_version + 1)
+            # The job has published weights before (a resumed or restarted trainer). Ours are published
+            # under the job's current version from this new endpoint: workers that hold it keep
+            # generating, workers that join fetch ours. Replayed steps publish nothing, and the next new
+            # step publishes the next version as usual, so versions (and the staleness gate, which counts
+            # them) go on as if the trainer had not stopped.
+            self.version = max(self.version, job.weight_version)
         self.heartbeat = asyncio.create_task(
             self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(weight_version=self.version))
         )
@@ -288,7 +291,11 @@ class LeaderLoop:
                 await self._send_acked(StepDone(step=step, group_ids=group_ids), str(step))
                 self._write_ledger(step, group_ids)
                 sync_time = 0.0
-                if (step + 1) % self.cfg.update_weights_interval == 0:
+                if batch_msg.replayed:
+                    # Catching up after --load to the step the job had reached: the job's versions up to
+                    # there exist already; new ones start with the first new step.
+                    log.info("step_replayed", step=step)
+                elif (step + 1) % self.cfg.update_weights_interval == 0:
                     sync_started = time.perf_counter()
                     self.version += 1
                     await self._publish(step)

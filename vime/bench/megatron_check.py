@@ -12,7 +12,10 @@ Checks, each reported as a JSON record with its numbers and tolerance:
    activation recompute (REPLAY_BACKWARD path): finite losses and grad norms, weights moved.
 4. `export`: after training, `save_hf_checkpoint` holds exactly the exported tensors (bit for bit), and
    transformers and a fresh Megatron model loading that file give the same logits (float32, 1e-4).
-5. `speed/<backend>`: one rollout step (forward + backward + optimizer) of a ~0.6B dense Qwen3 shape
+5. `resume/<optimizer>`: `--save-interval` / `--load` with and without the distributed optimizer: a
+   trainer resumed from a checkpoint after step 2 ends step 3 with the uninterrupted trainer's weights
+   (distance <= 1e-3 of a not-resumed control's), loss and learning rate.
+6. `speed/<backend>`: one rollout step (forward + backward + optimizer) of a ~0.6B dense Qwen3 shape
    (28 layers, hidden 1024, 16 heads / 8 KV, ffn 3072, vocab 151936) on 8 x 2048 tokens, torch backend vs
    Megatron backend: tokens/s and MFU (model FLOPs 6 * matmul params * tokens + causal attention
    6 * layers * seq * q_dim per token, over the H200's 989 TFLOP/s dense bf16).
@@ -245,6 +248,64 @@ def check_training_and_export(root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def check_resume(root: Path) -> list[dict[str, Any]]:
+    """`--save-interval` / `--load` on the Megatron backend: two bf16 steps, a checkpoint, a third step;
+    a new trainer that loads the checkpoint and takes the same third step must end with the same
+    weights. A fresh trainer taking only that step is the control (how far apart "not resumed" is)."""
+    import torch
+
+    from vime.bench.r3 import R3BenchConfig, _rollout
+    from vime.trainer.batch import RolloutBatch
+    from vime.trainer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+    from vime.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
+    from vime.trainer.megatron.parallel import MegatronParallelConfig
+
+    path = root / "r3trained"
+    if not path.exists():
+        _r3_samples(root)
+    samples = _rollout(str(path), R3BenchConfig(top_k=2))
+    batches = [RolloutBatch.from_samples([x for x in samples if x.group_index % 3 == i]) for i in range(3)]
+    out = []
+    for distributed in (True, False):
+        def make() -> MegatronTrainer:
+            return MegatronTrainer(MegatronTrainerConfig(
+                hf_checkpoint=str(path), lr=1e-3, micro_batch_size=8, use_tis=True, lr_warmup_steps=4,
+                use_rollout_routing_replay=True, parallel=MegatronParallelConfig(use_distributed_optimizer=distributed),
+            ))  # fmt: skip
+
+        ckpt_root = root / f"resume-{distributed}"
+        straight = make()
+        for batch in batches[:2]:
+            straight.train_step(batch)
+        save_checkpoint(straight, ckpt_root, steps_done=2, weight_version=2)
+        expected = straight.train_step(batches[2])
+        want = dict(straight.export_weights(torch.float32))
+        del straight
+        resumed = make()
+        point = load_checkpoint(resumed, find_checkpoint("latest", ckpt_root))
+        got = resumed.train_step(batches[2])
+        have = dict(resumed.export_weights(torch.float32))
+        del resumed
+        fresh = make()
+        fresh.train_step(batches[2])
+        control = dict(fresh.export_weights(torch.float32))
+        del fresh
+
+        def dist_to(other: dict[str, torch.Tensor]) -> float:
+            return float(sum((want[k] - other[k]).float().norm() ** 2 for k in want) ** 0.5)
+
+        resumed_gap, control_gap = dist_to(have), dist_to(control)
+        loss_gap = abs(got["train/loss"] - expected["train/loss"])
+        out.append(dict(
+            check=f"resume/{'distributed_optimizer' if distributed else 'optimizer'}", steps_done=point.steps_done,
+            weights_distance_resumed=resumed_gap, weights_distance_not_resumed=control_gap,
+            loss_third_step=expected["train/loss"], loss_gap=loss_gap, lr=(expected["train/lr"], got["train/lr"]),
+            passed=resumed_gap <= 1e-3 * control_gap and loss_gap <= 1e-4 * max(1.0, abs(expected["train/loss"]))
+            and expected["train/lr"] == got["train/lr"],
+        ))  # fmt: skip
+    return out
+
+
 def _dense_checkpoint(path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -324,7 +385,7 @@ def check_speed(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime.bench.megatron_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=None, help="subset: logits r3 train speed")
+    parser.add_argument("--only", nargs="*", default=None, help="subset: logits r3 train resume speed")
     parser.add_argument("--out", default=None, help="also write the records to this JSONL file")
     parser.add_argument("--profile-dir", default=None, help="write a torch.profiler table per backend's step here")
     args = parser.parse_args(argv)
@@ -337,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         *[("logits", lambda f=f: check_logits(f, root)) for f in ("qwen3", "qwen3_moe", "glm4_moe")],
         ("r3", lambda: check_r3(root)),
         ("train", lambda: check_training_and_export(root)),
+        ("resume", lambda: check_resume(root)),
         ("speed", lambda: check_speed(root, profile_dir=args.profile_dir)),
     ]
     records: list[dict[str, Any]] = []

@@ -49,7 +49,7 @@ from vime.protocol.messages import (
     Welcome,
     WeightsPublished,
 )
-from vime.security import Security, ServerGuard
+from vime.security import Security, ServerGuard, key_role, sender_key_name
 from vime.transport import make_router
 
 log = get_logger(__name__)
@@ -98,6 +98,7 @@ class BrokerServer:
         self.status_path = status_path
         self.max_message_bytes = max_message_bytes
         self._stop = False
+        self._unbound_keys_warned: set[str] = set()
         self._last_status_write = 0.0
         self._last_expiry_check = 0.0
         self._streak_warn_at = self._first_streak_warning = 4 * max(
@@ -171,11 +172,34 @@ class BrokerServer:
         identity, payload = frames[0].bytes, frames[1:]
         try:
             msg = decode(payload, ACCEPTED_TYPES, max_total_bytes=self.max_message_bytes)
+            if isinstance(msg, Hello):
+                self._check_role_key(msg, payload[0] if payload else None)
             self._dispatch_message(identity, msg, now)
         except ProtocolError as exc:
             self.state.counters["bad_messages"] += 1
-            log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
+            if exc.code == ERROR_UNKNOWN_PEER:
+                # Expected after a broker restart (the worker says Hello again on this reply): not a warning.
+                self.state.counters["unknown_peer_messages"] += 1
+                log.info("bad_message", code=exc.code, detail=exc.detail[:200], peer=identity.hex())
+            else:
+                log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
             self._send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
+
+    def _check_role_key(self, hello: Hello, frame: Any) -> None:
+        """Under CURVE a client key named for a role ("rollout", "rollout-node7") may only say Hello
+        in that role, so a leaked rollout key cannot pose as the trainer."""
+        key_name = sender_key_name(frame)
+        if key_name is None:
+            return
+        bound = key_role(key_name)
+        if bound is None:
+            if key_name not in self._unbound_keys_warned:
+                self._unbound_keys_warned.add(key_name)
+                log.warning("client_key_not_bound_to_a_role", key=key_name, role=hello.role,
+                            hint="name client keys after their role (vime keys DIR --client rollout-NAME)")  # fmt: skip
+            return
+        if bound != hello.role:
+            raise ProtocolError(ERROR_INVALID, f"the client key {key_name!r} is a {bound} key; it may not join as {hello.role}")
 
     def _dispatch_message(self, identity: bytes, msg: Message, now: float) -> None:
         state = self.state

@@ -252,6 +252,8 @@ class TrainBatch(Message, tag="train_batch"):
     step: int
     groups: list[Group]
     stats: dict[str, float] = {}
+    # A step the job trained before, sent again to a trainer resumed from an earlier checkpoint.
+    replayed: bool = False
 
 
 class StepDone(Message, tag="step_done"):

@@ -71,6 +71,9 @@ class PolicyTrainer:
         raise NotImplementedError
 
     supports_resume = True
+    # True: every rank saves and loads its own training state (model-parallel shards); False: rank 0's
+    # state holds everything (gathered) and every rank loads it.
+    sharded_training_state = False
 
     def training_state(self) -> dict[str, Any] | None:
         """Weights, optimizer and schedule for `--load` (vime.trainer.checkpoint); None on ranks that

@@ -3,7 +3,10 @@
 A checkpoint is a directory `CHECKPOINT_DIR/step_N` (N = training steps done) holding
 - the Hugging Face weights (`model.safetensors`, config, tokenizer files), usable on their own;
 - `trainer/state.pt`: the fp32 policy weights, optimizer and LR-scheduler state, optimizer-step count,
-  and the critic's weights and optimizer under PPO (gathered to full tensors under FSDP2);
+  and the critic's weights and optimizer under PPO (gathered to full tensors under FSDP2); or, for
+  the Megatron backend, `trainer/state_rank{R}.pt` per rank: its model shards, Megatron's optimizer
+  state of its shard (distributed optimizer: bucket-space, no gather) and its tensor-parallel RNG
+  tracker, so `--load` there needs the same parallel layout;
 - `trainer/rng_rank{R}.pt`: each rank's torch / CUDA / numpy / python RNG states;
 - `trainer/trainer_state.json`: steps done, weight version, backend and world size.
 It is written to `step_N.partial` and renamed when every rank has finished, so a trainer killed while
@@ -75,8 +78,12 @@ def save_checkpoint(trainer: Any, root: Path, steps_done: int, weight_version: i
     rank = _rank()
     (partial / STATE_DIR).mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), partial / STATE_DIR / f"rng_rank{rank}.pt")
-    if rank == 0:
+    sharded = getattr(trainer, "sharded_training_state", False)
+    if sharded:
+        torch.save(state, partial / STATE_DIR / f"state_rank{rank}.pt")
+    elif rank == 0:
         torch.save(state, partial / STATE_DIR / "state.pt")
+    if rank == 0:
         meta = {
             "steps_done": steps_done, "weight_version": weight_version, "backend": type(trainer).__name__,
             "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
@@ -116,7 +123,11 @@ def load_checkpoint(trainer: Any, path: Path) -> ResumePoint:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if meta.get("backend") != type(trainer).__name__:
         raise CheckpointError(f"--load {path}: saved by the {meta.get('backend')} backend, this is {type(trainer).__name__}")
-    state = torch.load(path / STATE_DIR / "state.pt", map_location="cpu", weights_only=True)
+    sharded = getattr(trainer, "sharded_training_state", False)
+    if sharded and meta.get("world_size") != world:
+        raise CheckpointError(f"--load {path}: saved by {meta.get('world_size')} ranks, this run has {world}")
+    state_file = path / STATE_DIR / (f"state_rank{_rank()}.pt" if sharded else "state.pt")
+    state = torch.load(state_file, map_location="cpu", weights_only=True)
     trainer.load_training_state(state)
     rng_file = path / STATE_DIR / f"rng_rank{_rank()}.pt"
     if rng_file.is_file():

@@ -104,9 +104,9 @@ class _SwitchToReplayBackward(torch.autograd.Function):
 class MegatronTrainer(PolicyTrainer):
     """Policy (and optional frozen reference) as Megatron GPTModels on this rank. See module docstring."""
 
-    # Resuming needs Megatron's sharded (distributed-optimizer) checkpoint format; not built yet.
-    # --save-interval still writes HF weights, and --load is refused at start-up with this reason.
-    supports_resume = False
+    # Resume state is per rank (this rank's model shards, optimizer shards and RNG tracker): `--load`
+    # needs the same parallel layout (TP, PP, EP, DP) as the run that saved it.
+    sharded_training_state = True
 
     def __init__(self, cfg: MegatronTrainerConfig) -> None:
         from transformers import AutoConfig
@@ -465,6 +465,53 @@ class MegatronTrainer(PolicyTrainer):
         """Yield (HF checkpoint name, contiguous CPU tensor) on global rank 0; every rank must iterate
         (TP/EP gathers and pipeline hand-offs are collectives)."""
         yield from export_hf_weights(self.model, self.layout, dtype, self.device)
+
+    def _layout_key(self) -> dict[str, int]:
+        return {
+            "rank": dist.get_rank(), "world_size": dist.get_world_size(), "dp": self.world_size,
+            "tp": self.tp_size, "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+        }  # fmt: skip
+
+    def training_state(self) -> dict[str, Any]:
+        """This rank's resume state (every rank has one): its model shards, Megatron's optimizer state
+        (fp32 main weights and Adam moments of this rank's shard: the distributed optimizer's
+        bucket-space state, no gather), scheduler, step count and the tensor-parallel RNG tracker."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return {
+            "layout": self._layout_key(),
+            "model": {k: v for k, v in self.model.state_dict().items() if isinstance(v, Tensor)},
+            "optimizer": self.optimizer.state_dict(),
+            "param_state": [
+                o.get_parameter_state_dp_reshardable() if hasattr(o, "get_parameter_state_dp_reshardable") else None
+                for o in optimizers
+            ],
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+            "rng_tracker": get_cuda_rng_tracker().get_states(),
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore `training_state` on every rank. ValueError if the parallel layout differs."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        if state["layout"] != self._layout_key():
+            raise ValueError(f"the checkpoint was saved with layout {state['layout']}, this run is {self._layout_key()}: "
+                             "resume with the same TP / PP / EP / DP sizes")  # fmt: skip
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint model state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for optimizer, param_state in zip(optimizers, state["param_state"]):
+            if param_state is not None:
+                optimizer.load_parameter_state_from_dp_reshardable(param_state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        get_cuda_rng_tracker().set_states(state["rng_tracker"])
 
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Write a transformers-loadable checkpoint on global rank 0 (collective); ends with a barrier."""
