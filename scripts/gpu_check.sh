@@ -29,8 +29,11 @@ fi
 # It stops after 40 steps (checkpoints every 20), then `--load latest` resumes it to 60: the broker
 # continues from its journal, the trainer from its step-40 checkpoint.
 if [ "${VIME_GPU_E2E:-1}" = 1 ]; then
+  rm -rf /tmp/vime-gpu-e2e
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   e2e=(configs/demo.yaml --train-backend megatron --rollout-engine hf --save-interval 20
-       --run-dir /tmp/vime-gpu-e2e --hf-checkpoint /tmp/vime-gpu-e2e-model --no-progress)
+       --run-dir /tmp/vime-gpu-e2e --hf-checkpoint /tmp/vime-gpu-e2e-model --no-progress
+       --broker-address "tcp://127.0.0.1:$port")
   python3 -m vime.cli run "${e2e[@]}" --num-rollout 40 || status=1
   python3 -m vime.cli run "${e2e[@]}" --num-rollout 60 --no-make-demo-model --load latest || status=1
   cp /tmp/vime-gpu-e2e/metrics.jsonl "$out/e2e_metrics.jsonl" 2>/dev/null || true

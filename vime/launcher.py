@@ -9,6 +9,7 @@ naming the one that failed and showing the end of its log.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from vime.logging import get_logger
 log = get_logger(__name__)
 
 GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -42,8 +44,9 @@ class Child:
     def start(self) -> None:
         self.log_handle = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=self.log_handle, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            self.argv, env=self.env, stdout=self.log_handle, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=terminate_with_parent,
+        )  # fmt: skip
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -60,6 +63,21 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def die_with_parent(sig: int) -> None:
+    """In a child, before exec (Linux): receive `sig` when the process that started it dies, even by
+    SIGKILL. A launcher killed hard must not leave a broker bound to its port or an engine holding GPUs."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:  # not Linux: the launcher's own teardown is all there is
+        pass
+
+
+def terminate_with_parent() -> None:
+    """`die_with_parent(SIGTERM)`: the child leaves cleanly (workers say Bye, the broker closes its journal)."""
+    die_with_parent(signal.SIGTERM)
 
 
 def free_port() -> int:

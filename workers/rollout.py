@@ -161,7 +161,11 @@ class RolloutWorker:
             self.fatal = self.fatal or task.exception()
 
     def _note_version(self, version: int, endpoint: str | None) -> None:
-        if endpoint and version > self.target_version:
+        newer = version > self.target_version
+        # The same version from another publisher (a resumed trainer) replaces an address we have not
+        # fetched from yet: the old one may be dead.
+        moved = version == self.target_version and endpoint != self.endpoint and self.engine.weight_version < version
+        if endpoint and (newer or moved):
             self.target_version = version
             self.endpoint = endpoint
             self.update_wanted.set()

@@ -259,6 +259,7 @@ class LeaderLoop:
         self.ledger_path = cfg.run_dir / "trained_groups.jsonl"
         self.heartbeat: asyncio.Task[None] | None = None
         self.shutdown_received = False
+        self.published_endpoint: str | None = None
 
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.version)
@@ -339,6 +340,9 @@ class LeaderLoop:
         if not self.client.rejoin_needed:
             return False
         await self.client.rejoin(weight_version=self.version)
+        if self.published_endpoint is not None:
+            # A restarted broker does not trust the weight endpoint in its journal; tell it ours.
+            await self.client.send(WeightsPublished(version=self.version, endpoint=self.published_endpoint, step=-1, reannounce=True))
         return True
 
     async def _request_batch(self, step: int) -> TrainBatch:
@@ -379,6 +383,7 @@ class LeaderLoop:
         # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
         endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
         published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds)
+        self.published_endpoint = endpoint
         await self._send_acked(published, str(self.version))
         log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4))
 

@@ -9,7 +9,10 @@ Run with one process per GPU (2 GPUs: `torchrun --nproc_per_node 2 -m vime.bench
 - `lr0`: one lr-0 step with replay off and on gives the reference's abs diff and routing agreement
   (within 1e-4 relative; float32) and agreement 1.0 with replay;
 - `train`: three bf16 steps (lr 1e-4, replay on) give losses and grad norms close to the reference's
-  (bf16 reductions run in another order, so within 5e-2 relative).
+  (bf16 reductions run in another order, so within 5e-2 relative);
+- `resume`: a checkpoint after step 2 (`save_checkpoint`: every rank its model and optimizer shards);
+  a new trainer loading it ends step 3 with the uninterrupted trainer's weights (distance within 1e-3
+  of step 3's update) and loss.
 
 Layouts for 2 GPUs: DP 2 (reference), PP 2, EP 2 (with DP 2). (MoE with TP needs sequence parallelism,
 which needs TransformerEngine's norms: `MegatronParallelConfig.validate` refuses it without them.)
@@ -61,6 +64,7 @@ def main() -> int:
     from vime.bench.megatron_check import _r3_samples
     from vime.bench.r3 import R3BenchConfig, _rollout
     from vime.trainer.batch import RolloutBatch, broadcast_batch
+    from vime.trainer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from vime.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
     from vime.trainer.megatron.parallel import MegatronParallelConfig, init_model_parallel
 
@@ -92,10 +96,19 @@ def main() -> int:
                 res[f"abs_diff_{tag}"] = m["train/train_rollout_logprob_abs_diff"]
                 res[f"routing_agreement_{tag}"] = m["train/routing_agreement"]
                 del t
-            t = MegatronTrainer(MegatronTrainerConfig(hf_checkpoint=path, lr=1e-4, micro_batch_size=16,
-                                                      use_rollout_routing_replay=True, use_tis=True, parallel=par))  # fmt: skip
+            def make_trainer() -> MegatronTrainer:
+                return MegatronTrainer(MegatronTrainerConfig(hf_checkpoint=path, lr=1e-4, micro_batch_size=16,
+                                                             use_rollout_routing_replay=True, use_tis=True, parallel=par))  # fmt: skip
+
+            t = make_trainer()
             exported = dict(t.export_weights(torch.bfloat16))
-            steps = [t.train_step(batch) for _ in range(3)]
+            steps = [t.train_step(batch) for _ in range(2)]
+            # resume: a checkpoint after step 2 (every rank its shards), then step 3 straight and resumed
+            ckpt_root = root / f"resume-{name}"
+            save_checkpoint(t, ckpt_root, steps_done=2, weight_version=2)
+            mid = dict(t.export_weights(torch.float32))
+            steps.append(t.train_step(batch))
+            want = dict(t.export_weights(torch.float32))
             res["losses"] = [s["train/loss"] for s in steps]
             res["grad_norms"] = [s["train/grad_norm"] for s in steps]
             del t
@@ -115,6 +128,18 @@ def main() -> int:
             records.append(dict(check=f"{name}/lr0", passed=lr0_ok, **{k: v for k, v in res.items() if "_r3" in k}))
             records.append(dict(check=f"{name}/train", passed=train_ok, losses=res["losses"], grad_norms=res["grad_norms"],
                                 reference_grad_norms=ref["grad_norms"]))  # fmt: skip
+            t = make_trainer()
+            load_checkpoint(t, find_checkpoint("latest", ckpt_root))
+            resumed_loss = t.train_step(batch)["train/loss"]
+            have = dict(t.export_weights(torch.float32))
+            del t
+            torch.cuda.empty_cache()
+            if rank == 0:
+                gap = sum(float((want[k] - have[k]).norm()) ** 2 for k in want) ** 0.5
+                step3 = sum(float((want[k] - mid[k]).norm()) ** 2 for k in want) ** 0.5
+                records.append(dict(check=f"{name}/resume", weights_distance_resumed=gap, step3_update_norm=step3,
+                                    loss_straight=res["losses"][-1], loss_resumed=resumed_loss,
+                                    passed=gap <= 1e-3 * step3 and _rel(resumed_loss, res["losses"][-1]) <= 1e-4))  # fmt: skip
         except Exception as exc:  # report and go on to the next layout
             records.append(dict(check=name, passed=False, error=f"{type(exc).__name__}: {exc}",
                                 traceback=traceback.format_exc()[-2500:]))  # fmt: skip

@@ -8,7 +8,9 @@ Restoring replays the records in order onto a fresh state built from the same fl
 - a step's batch that was out for training stays assigned to that step: the trainer gets the same
   groups when it asks again;
 - trained groups the trainer's last checkpoint does not cover stay replayable;
-- the published weight version, the trainer's step and the prompt cursor continue where they were.
+- the published weight version, the trainer's step and the prompt cursor continue where they were;
+  the weight endpoint is forgotten until the trainer announces it again (it does so when it rejoins,
+  and a resumed trainer when it starts), so no worker is sent to a publisher that died.
 Counters that are derived from the records (admitted, trained, failed, filtered, stale) are exact;
 the others (dispatched, requeued, ...) continue from the last snapshot in the journal.
 Eval runs in progress are not journaled: they are not training data, and the next due eval runs as usual.
@@ -103,6 +105,9 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
     state.buffer = OrderedDict(sorted(state.buffer.items(), key=lambda kv: state.dispatch_seq.get(kv[0], 0)))
     if state.trained_steps >= state.settings.num_rollout:
         state.training_done = True
+    # The trainer that served the journal's endpoint may be gone with this broker: rollout workers that
+    # join now would wait on a dead address. The trainer re-announces its endpoint when it says Hello.
+    state.weight_endpoint = None
 
 
 def steps_recorded(records: list[JournalRecord]) -> int:

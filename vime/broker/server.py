@@ -242,7 +242,7 @@ class BrokerServer:
             log.info("trainer_checkpoint", steps_done=msg.steps_done, path=msg.path, replayable_steps=len(state.step_batches))
             self._send([(identity, Ack(ids=[f"checkpoint-{msg.steps_done}"]))])
         elif isinstance(msg, WeightsPublished):
-            self._send(state.on_weights_published(msg.version, msg.endpoint, msg.step, now))
+            self._send(state.on_weights_published(msg.version, msg.endpoint, None if msg.reannounce else msg.step, now))
             bind_progress(weight_version=state.published_version)
             log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
             self._send([(identity, Ack(ids=[str(msg.version)]))])

@@ -293,6 +293,9 @@ class WeightsPublished(Message, tag="weights_published"):
     step: int
     nbytes: int = 0
     seconds: float = 0.0
+    # Where the current version is served, said again after the trainer rejoined a restarted broker
+    # (which does not trust the endpoint in its journal): no new weights, no eval run.
+    reannounce: bool = False
 
 
 # --- status ------------------------------------------------------------------------------------------

@@ -508,7 +508,21 @@ class MegatronTrainer(PolicyTrainer):
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for optimizer, param_state in zip(optimizers, state["param_state"]):
             if param_state is not None:
+                # megatron-core 0.19.2 reads a `padding` flag its own getter does not write
+                for key, by_dtype in param_state.items():
+                    if isinstance(key, int):
+                        for buckets in by_dtype.values():
+                            for bucket in buckets:
+                                for entry in bucket:
+                                    entry.setdefault("padding", False)
                 optimizer.load_parameter_state_from_dp_reshardable(param_state)
+            # Without Apex/TE the distributed optimizer's load_state_dict gives every parameter the SAME
+            # `step` tensor, which torch's Adam then increments once per parameter per step (measured on
+            # the H200: resumed weights 27 % of a step's update off). One tensor each, as a fresh run has.
+            inner = getattr(optimizer, "optimizer", None)
+            for param_state in getattr(inner, "state", {}).values():
+                if isinstance(param_state.get("step"), Tensor):
+                    param_state["step"] = param_state["step"].clone()
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
         get_cuda_rng_tracker().set_states(state["rng_tracker"])
