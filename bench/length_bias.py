@@ -62,7 +62,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("VIME_LOG_LEVEL", "WARNING")
 
 from vime.broker.state import BrokerSettings, BrokerState, PendingBatch  # noqa: E402
 from vime.data.prompts import Prompt, PromptCursor  # noqa: E402
@@ -757,6 +756,9 @@ def _gates(spec: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # Quiet for this program and its worker processes only (never at import: a test importing this
+    # module must not change the log level of the processes other tests start).
+    os.environ.setdefault("VIME_LOG_LEVEL", "WARNING")
     base = SimConfig(**{k: v for k, v in vars(args).items() if k in SimConfig.__dataclass_fields__})
     partials = {"on": [True], "off": [False], "both": [True, False]}[args.partial]
     configs = [

@@ -29,7 +29,7 @@ def test_random_worker_kills_and_a_broker_kill_lose_nothing_and_train_nothing_tw
 
     model = make_tiny_qwen3(tmp_path / "tiny", seed=0)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")  # the checks read info events
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "chaos.py"), "--preset", "ci", "--seed", "0", "--run-dir", str(run_dir),
          "--hf-checkpoint", str(model), "--timeout", "200", "--quiet"],

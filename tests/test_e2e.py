@@ -128,7 +128,7 @@ def test_ctrl_c_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
     import time
 
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")  # the checks read info events
     argv = [
         sys.executable, "-m", "vime.cli", "run", str(REPO / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
         "--hf-checkpoint", str(tiny_model), "--no-make-demo-model", "--rollout-engine", "hf", "--num-rollout", "100000",

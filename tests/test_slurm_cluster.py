@@ -90,7 +90,7 @@ def slurm_env() -> Iterator[dict[str, str]]:
         print(start.stdout)
         env = dict(
             os.environ, SLURM_CONF=str(state / "slurm.conf"), PYTHONPATH=str(REPO),
-            PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin",
+            PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin", VIME_LOG_LEVEL="INFO",  # checks read info events
         )  # fmt: skip
         yield env
     finally:
