@@ -143,6 +143,19 @@ def test_a_fetch_restarted_on_a_newer_version_is_not_reported_as_stalled(monkeyp
         assert [e for e in log.events("weight fetch stalled") if e["version"] == 1] == []
 
 
+def test_a_publisher_that_dies_mid_fetch_fails_the_fetch_at_once_not_after_the_timeout() -> None:
+    """A trainer killed while a worker fetches from it: its replies will never come, and a restarted
+    trainer publishes at another address, so waiting out the 30 s reply timeout would only stall."""
+    pub = WeightPublisher(chunk_bytes=CHUNK)
+    pub.publish(1, state(1))
+    with WeightFetcher(pub.endpoint, timeout_s=30.0) as fetcher:
+        fetcher._after_chunk = lambda i: pub.close() if i == 0 else None
+        started = time.monotonic()
+        with pytest.raises(WeightFetchError, match="closed the connection"):
+            fetcher.fetch()
+        assert time.monotonic() - started < 5.0
+
+
 def test_a_worker_that_missed_versions_fetches_only_the_latest(publisher: WeightPublisher) -> None:
     for version in range(1, 6):
         publisher.publish(version, state(version))

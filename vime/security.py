@@ -359,6 +359,7 @@ class HandshakeWatch:
         self.side = side
         self.rejection: str | None = None
         self.failures = 0
+        self.disconnects = 0  # connections this socket lost (peer closed, died, or stopped answering)
         self._last_logged: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         address = f"inproc://vime-handshake-watch-{id(self)}"
@@ -391,6 +392,7 @@ class HandshakeWatch:
             self.rejection = None
             return
         if event == zmq.EVENT_DISCONNECTED:
+            self.disconnects += 1
             if self.side == "server":
                 self._log("zmq_peer_disconnected", "info", endpoint=endpoint)
             return
@@ -576,6 +578,11 @@ class ClientGuard:
     def rejection(self) -> str | None:
         """Why the last handshake failed, if it did and none succeeded since."""
         return self.watch.rejection if self.watch is not None else None
+
+    @property
+    def disconnects(self) -> int:
+        """How many times this socket's connection to the server was lost."""
+        return self.watch.disconnects if self.watch is not None else 0
 
     def raise_if_rejected(self) -> None:
         """Raise HandshakeRejected if the server refused this socket's handshake."""

@@ -85,49 +85,11 @@ def _free_port() -> int:
 
 def trainer_config(cfg: VimeConfig) -> TorchTrainerConfig:
     """The backend config: TorchTrainerConfig, or MegatronTrainerConfig (the same fields plus the layout)."""
-    kwargs: dict[str, Any] = {}
-    config_type: type[TorchTrainerConfig] = TorchTrainerConfig
     if cfg.train_backend == "megatron":
         from vime.trainer.megatron.backend import MegatronTrainerConfig
 
-        config_type, kwargs = MegatronTrainerConfig, {"parallel": cfg.megatron_parallel()}
-    return config_type(
-        **kwargs,
-        hf_checkpoint=str(cfg.hf_checkpoint),
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        clip_grad=cfg.clip_grad,
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high,
-        use_kl_loss=cfg.use_kl_loss,
-        kl_loss_coef=cfg.kl_loss_coef,
-        kl_loss_type=cfg.kl_loss_type,
-        entropy_coef=cfg.entropy_coef,
-        use_tis=cfg.use_tis,
-        tis_level=cfg.tis_level,
-        tis_clip=cfg.tis_clip,
-        tis_clip_low=cfg.tis_clip_low,
-        use_mis=cfg.use_mis,
-        mis_level=cfg.mis_level,
-        mis_low=cfg.mis_low,
-        mis_high=cfg.mis_high,
-        use_decoupled_ppo=cfg.use_decoupled_ppo,
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-        advantage_estimator=cfg.advantage_estimator,
-        normalize_advantages=cfg.normalize_advantages,
-        gamma=cfg.gamma,
-        lambd=cfg.lambd,
-        value_clip=cfg.value_clip,
-        critic_lr=cfg.critic_lr,
-        critic_hf_checkpoint=str(cfg.critic_hf_checkpoint) if cfg.critic_hf_checkpoint else None,
-        disable_grpo_std_normalization=cfg.disable_grpo_std_normalization,
-        micro_batch_size=cfg.micro_batch_size,
-        global_batch_size=cfg.global_batch_size,
-        seed=cfg.seed,
-        use_fsdp=cfg.use_fsdp,
-        rollout_temperature=cfg.rollout_temperature,
-        use_rollout_routing_replay=cfg.use_rollout_routing_replay,
-    )
+        return MegatronTrainerConfig.from_vime_config(cfg, parallel=cfg.megatron_parallel())
+    return TorchTrainerConfig.from_vime_config(cfg)
 
 
 def build_trainer(cfg: VimeConfig) -> PolicyTrainer:

@@ -41,6 +41,7 @@ because DDP's gradient all-reduce and FSDP2's parameter all-gathers are collecti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -116,6 +117,15 @@ class TorchTrainerConfig:
     attn_implementation: str = "sdpa"
     # R3: run policy and reference forwards with the rollout's experts when the batch carries traces
     use_rollout_routing_replay: bool = False
+
+    @classmethod
+    def from_vime_config(cls, cfg: Any, **extra: Any) -> TorchTrainerConfig:
+        """The settings a job's `VimeConfig` gives this trainer: every field whose name is also a field
+        of the job's config (the flag names are the same), paths as strings, plus `extra`."""
+        shared = {f.name for f in dataclasses.fields(cls)} & set(type(cfg).model_fields)
+        values = {name: getattr(cfg, name) for name in shared}
+        values = {name: os.fspath(v) if isinstance(v, os.PathLike) else v for name, v in values.items()}
+        return cls(**values, **extra)
 
     def __post_init__(self) -> None:
         from vime.trainer.corrections import CorrectionConfig

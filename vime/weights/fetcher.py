@@ -25,6 +25,7 @@ msgspec, numpy, xxhash and torch, and takes nothing but an endpoint string to co
 Waits and failures (all raise `WeightFetchError`, whose message names the endpoint and the cause):
 - no connection to the publisher within `timeout_s` (IMMEDIATE=1: requests are never queued for a peer
   that is not there, so a dead endpoint shows up as "could not connect");
+- the connection drops while a reply is expected (the publisher died; noticed within half a second);
 - no reply for `timeout_s` while one is expected (a transfer may take longer than `timeout_s` in total,
   as long as replies keep coming);
 - no version >= min_version appeared within `timeout_s`;
@@ -166,6 +167,7 @@ class WeightFetcher:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
+        self._disconnects_at_start = 0
 
     @property
     def endpoint(self) -> str:
@@ -178,6 +180,7 @@ class WeightFetcher:
         if min_version < 0:
             raise ValueError(f"min_version must be >= 0, got {min_version}")
         start = time.perf_counter()
+        self._disconnects_at_start = self._guard.disconnects
         for attempt in range(MAX_RESTARTS + 1):
             fetch_id = secrets.randbelow(MAX_FETCH_ID) + 1
             manifest = self._manifest(fetch_id, min_version)
@@ -347,6 +350,7 @@ class WeightFetcher:
             rejection = self._guard.rejection
             if rejection is not None:
                 raise WeightFetchError(f"the weight publisher at {self._endpoint} refused the connection: {rejection}")
+            self._raise_if_dropped("was sending a request")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WeightFetchError(
@@ -355,15 +359,28 @@ class WeightFetcher:
                 )
             self._sock.poll(int(min(remaining, _CONNECT_SLICE_S) * 1000) + 1, zmq.POLLOUT)
 
+    def _raise_if_dropped(self, doing: str) -> None:
+        """Fail the fetch if the connection was lost since it began: the publisher's process died, so
+        its replies will never come (and a restarted trainer publishes at another address)."""
+        if self._guard.disconnects != self._disconnects_at_start:
+            raise WeightFetchError(
+                f"the weight publisher at {self._endpoint} closed the connection while this fetcher {doing} "
+                "(publisher gone?)"
+            )
+
     def _recv(self, fetch_id: int, deadline: float, *, waiting_for: str) -> Message:
-        """The next reply of this fetch; replies of earlier fetches are dropped. Raise at `deadline`."""
+        """The next reply of this fetch; replies of earlier fetches are dropped. Raise at `deadline`, or
+        soon after the connection drops (`_raise_if_dropped`)."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._poller.poll(int(remaining * 1000) + 1):
+            if remaining <= 0:
                 raise WeightFetchError(
                     f"no reply from the weight publisher at {self._endpoint} within {self._timeout_s:g} s "
                     f"while waiting for {waiting_for}"
                 )
+            if not self._poller.poll(int(min(remaining, _CONNECT_SLICE_S * 5) * 1000) + 1):
+                self._raise_if_dropped(f"waited for {waiting_for}")
+                continue
             frames = self._sock.recv_multipart(copy=False)
             try:
                 reply = decode(frames, expect=FETCHER_ACCEPTS)
