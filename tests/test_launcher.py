@@ -1,0 +1,69 @@
+"""The launcher's children do not outlive it: a `vime run` killed hard (SIGKILL, OOM killer, a lost
+SLURM step) must not leave a broker bound to its port or an engine holding memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its new parent) counts as gone.
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"
+
+
+def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    marker = tmp_path / "child.got-sigterm"
+    child_code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        def leave(*_):
+            open({str(marker)!r}, "w").write("SIGTERM")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, leave)
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(60)
+    """)
+    launcher_code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from vime.launcher import Child
+        child = Child("sleeper", [sys.executable, "-c", {child_code!r}], {{}}, Path({str(tmp_path / "child.log")!r}))
+        child.start()
+        time.sleep(60)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child did not start"
+            assert launcher.poll() is None, "the launcher died before starting its child"
+            time.sleep(0.1)
+        child_pid = int(pid_file.read_text())
+        assert _alive(child_pid)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child_pid), "the child outlived its killed launcher"
+        assert marker.read_text() == "SIGTERM", "the child was not asked to leave with SIGTERM"
+    finally:
+        launcher.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
