@@ -139,15 +139,10 @@ class Proc(Child):
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def kill(self) -> None:
-        """SIGKILL the process group and reap it."""
+    def kill(self, wait_s: float = 10.0) -> None:
+        """SIGKILL the process group and reap it; its exit is then not a failure."""
         self.killed = True
-        self.signal(signal.SIGKILL)
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        super().kill(wait_s)
 
 
 def teardown(procs: list[Proc], grace_s: float = 3.0) -> list[str]:

@@ -58,6 +58,15 @@ class Child:
             except ProcessLookupError:
                 pass
 
+    def kill(self, wait_s: float) -> None:
+        """SIGKILL the process group and reap it (waiting at most `wait_s`)."""
+        self.signal(signal.SIGKILL)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+
     def tail(self, lines: int = 25) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -261,12 +270,7 @@ def stop_children(children: list[Child]) -> None:
     for child in children:
         if child.poll() is None:
             log.warning("child_killed", name=child.name)
-        child.signal(signal.SIGKILL)
-        if child.process is not None:
-            try:
-                child.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        child.kill(wait_s=5)
         if child.log_handle is not None:
             child.log_handle.close()
 

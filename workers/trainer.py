@@ -25,7 +25,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from vime.broker.client import BrokerClient, BrokerGone
-from vime.config import ConfigError, VimeConfig
+from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.protocol.messages import (
     Ack, BatchRequest, CheckpointSaved, EvalResult, Group, Heartbeat, HeartbeatAck, Message, Shutdown, StepDone,
@@ -43,7 +42,7 @@ from vime.security import Security
 from vime.slurm.network import advertised_endpoint
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
 from vime.trainer.base import PolicyTrainer
-from vime.trainer.checkpoint import ResumePoint, find_checkpoint, load_checkpoint, save_checkpoint
+from vime.trainer.checkpoint import ResumePoint, checkpoint_dir_for, find_checkpoint, load_checkpoint, save_checkpoint
 from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
 from vime.weights.publisher import WeightPublisher
 
@@ -166,25 +165,10 @@ def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, v
     return int(stats.nbytes), time.perf_counter() - started
 
 
-def checkpoint_path(cfg: VimeConfig, step: int) -> Path:
-    return cfg.checkpoint_dir / f"step_{step + 1}"
-
-
-def save(trainer: PolicyTrainer, cfg: VimeConfig, step: int, version: int) -> Path:
-    """Every rank: a resumable checkpoint after `step` (HF weights only where the backend cannot resume)."""
-    if trainer.supports_resume:
-        return save_checkpoint(trainer, cfg.checkpoint_dir, step + 1, version)
-    path = checkpoint_path(cfg, step)
-    trainer.save_hf_checkpoint(path)
-    return path
-
-
 def resume_point(trainer: PolicyTrainer, cfg: VimeConfig) -> ResumePoint | None:
     """Every rank: load `--load`'s checkpoint into the trainer (None without --load)."""
     if cfg.load is None:
         return None
-    if not trainer.supports_resume:
-        raise ConfigError(f"--load: the {cfg.train_backend} backend cannot resume yet (it saves HF weights only)")
     return load_checkpoint(trainer, find_checkpoint(cfg.load, cfg.checkpoint_dir))
 
 
@@ -195,7 +179,7 @@ def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -
         if cmd == COMMAND_STOP:
             return 0
         if cmd == COMMAND_SAVE:
-            save(trainer, cfg, step, version=-1)
+            save_checkpoint(trainer, cfg.checkpoint_dir, step + 1, weight_version=-1)  # rank 0 writes the version
             continue
         batch = broadcast_batch(None, src=0)
         trainer.train_step(batch)
@@ -376,12 +360,11 @@ class LeaderLoop:
         log.info("eval_logged", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
 
     async def _save(self, step: int) -> None:
-        if checkpoint_path(self.cfg, step).exists():
+        if checkpoint_dir_for(self.cfg.checkpoint_dir, step + 1).exists():
             return
         _command(COMMAND_SAVE, step)
-        path = await asyncio.to_thread(save, self.trainer, self.cfg, step, self.version)
-        log.info("checkpoint_saved", path=str(path), resumable=self.trainer.supports_resume)
-        # Also when not resumable: the broker then need not keep the batches before it.
+        path = await asyncio.to_thread(save_checkpoint, self.trainer, self.cfg.checkpoint_dir, step + 1, self.version)
+        log.info("checkpoint_saved", path=str(path))
         await self._send_acked(CheckpointSaved(steps_done=step + 1, path=str(path)), f"checkpoint-{step + 1}")
 
 

@@ -215,7 +215,6 @@ class JournalWriter:
         self._pending: list[bytes] = []
         self._last_fsync = time.monotonic()
         self._dirty = False
-        self.records_written = 0
 
     def append(self, record: JournalRecord) -> None:
         self._pending.append(encode_record(record))
@@ -234,7 +233,6 @@ class JournalWriter:
                 written = os.write(self._fd, view)
                 view = view[written:]
             self.size += len(data)
-            self.records_written += 1
             self._dirty = True
         if self._dirty and self._fsync_due():
             os.fsync(self._fd)

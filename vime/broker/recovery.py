@@ -96,7 +96,7 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
             raise JournalError("journal: a second header record (two journals concatenated?)")
     state.counters.update({k: v for k, v in counters.items() if k in state.counters})
     state.counters["groups_admitted"] = admitted
-    state.counters["groups_trained"] = sum(1 for _ in state.trained_in_step)
+    state.counters["groups_trained"] = len(state.trained_in_step)
     for reason, key in DROP_COUNTERS.items():
         state.counters[key] = sum(1 for r in state.dropped.values() if r == reason)
     state.counters["broker_restarts"] += 1
@@ -163,9 +163,16 @@ def compacted(state: BrokerState) -> list[JournalRecord]:
     ]
     cursor_place = {"cursor_epoch": state.cursor.epoch, "cursor_position": state.cursor.position}
     payloads: dict[str, Group] = {**state.retained, **state.training, **state.buffer}
+    unscored = (*state.retry_queue, *state.to_score, *(g for g, _ in state.generating.values()), *(g for g, _ in state.scoring.values()))
+    groups = {**{g.group_id: g for g in unscored}, **payloads}
     for group_id in sorted(_in_play(state), key=lambda g: state.dispatch_seq.get(g, 0)):
-        epoch, index = _epoch_and_index(group_id, payloads, state)
-        records.append(JournalAdmit(group_id=group_id, epoch=epoch, prompt_index=index, seq=state.dispatch_seq.get(group_id, 0), **cursor_place))
+        group = groups.get(group_id)
+        if group is None:
+            raise JournalError(f"compaction: group {group_id} is admitted but nowhere in the state")
+        records.append(JournalAdmit(
+            group_id=group_id, epoch=group.epoch, prompt_index=group.prompt_index, seq=state.dispatch_seq.get(group_id, 0),
+            **cursor_place,
+        ))  # fmt: skip
         if group_id in payloads:
             records.append(JournalBuffered(group=payloads[group_id]))
     for step in sorted(state.step_batches):
@@ -180,15 +187,6 @@ def _in_play(state: BrokerState) -> set[str]:
     """Admitted training groups not finished: everything except trained-and-released and dropped."""
     released = {g for g in state.trained_in_step if g not in state.retained and g not in state.training}
     return state.admitted_ids - released - set(state.dropped)
-
-
-def _epoch_and_index(group_id: str, payloads: dict[str, Group], state: BrokerState) -> tuple[int, int]:
-    if group_id in payloads:
-        return payloads[group_id].epoch, payloads[group_id].prompt_index
-    for group in (*state.retry_queue, *state.to_score, *(g for g, _ in state.generating.values()), *(g for g, _ in state.scoring.values())):
-        if group.group_id == group_id:
-            return group.epoch, group.prompt_index
-    raise JournalError(f"compaction: group {group_id} is admitted but nowhere in the state")
 
 
 __all__ = ["restore", "compacted", "header_for", "job_fingerprint", "steps_recorded"]

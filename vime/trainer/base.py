@@ -70,14 +70,13 @@ class PolicyTrainer:
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         raise NotImplementedError
 
-    supports_resume = True
     # True: every rank saves and loads its own training state (model-parallel shards); False: rank 0's
     # state holds everything (gathered) and every rank loads it.
     sharded_training_state = False
 
     def training_state(self) -> dict[str, Any] | None:
         """Weights, optimizer and schedule for `--load` (vime.trainer.checkpoint); None on ranks that
-        do not write. Backends without resume set `supports_resume = False`."""
+        do not write."""
         raise NotImplementedError
 
     def load_training_state(self, state: dict[str, Any]) -> None:

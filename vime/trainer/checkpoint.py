@@ -78,8 +78,7 @@ def save_checkpoint(trainer: Any, root: Path, steps_done: int, weight_version: i
     rank = _rank()
     (partial / STATE_DIR).mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), partial / STATE_DIR / f"rng_rank{rank}.pt")
-    sharded = getattr(trainer, "sharded_training_state", False)
-    if sharded:
+    if trainer.sharded_training_state:
         torch.save(state, partial / STATE_DIR / f"state_rank{rank}.pt")
     elif rank == 0:
         torch.save(state, partial / STATE_DIR / "state.pt")
@@ -123,7 +122,7 @@ def load_checkpoint(trainer: Any, path: Path) -> ResumePoint:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if meta.get("backend") != type(trainer).__name__:
         raise CheckpointError(f"--load {path}: saved by the {meta.get('backend')} backend, this is {type(trainer).__name__}")
-    sharded = getattr(trainer, "sharded_training_state", False)
+    sharded = trainer.sharded_training_state
     if sharded and meta.get("world_size") != world:
         raise CheckpointError(f"--load {path}: saved by {meta.get('world_size')} ranks, this run has {world}")
     state_file = path / STATE_DIR / (f"state_rank{_rank()}.pt" if sharded else "state.pt")
