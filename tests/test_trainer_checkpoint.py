@@ -72,3 +72,16 @@ def test_load_errors_say_what_is_missing(dense: str, tmp_path: Path) -> None:
         find_checkpoint("latest", tmp_path)
     with pytest.raises(CheckpointError, match="missing trainer/trainer_state.json"):
         find_checkpoint(str(tmp_path / "step_3.partial"), tmp_path)
+
+
+def test_a_checkpoint_of_another_backend_is_refused_by_name(dense: str, tmp_path: Path) -> None:
+    import json
+
+    trainer = TorchTrainer(config(dense))
+    path = save_checkpoint(trainer, tmp_path, steps_done=1, weight_version=1)
+    meta_file = path / "trainer" / "trainer_state.json"
+    meta = json.loads(meta_file.read_text())
+    meta["backend"] = "MegatronTrainer"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="saved by the MegatronTrainer backend, this is TorchTrainer"):
+        load_checkpoint(TorchTrainer(config(dense)), path)
