@@ -324,8 +324,14 @@ def test_pipeline_with_eval_and_dynamic_sampling(tmp_path: Path) -> None:
     from vime.demo.model_factory import make_tiny_qwen3
 
     model = Path(make_tiny_qwen3(tmp_path / "tiny", seed=0))
+    # Spread within most groups (response length parity), none in groups whose answer is a multiple of 3
+    # (about a third of the prompts): the filter must drop some groups in every run, not only by chance
+    # (with parity alone a run without any all-equal group of 4 happened about 1 time in 25).
     reward = tmp_path / "odd_length.py"
-    reward.write_text("def score(prompt, response, label, metadata):\n    return float(len(response) % 2)\n")
+    reward.write_text(
+        "def score(prompt, response, label, metadata):\n"
+        "    return 1.0 if int(label) % 3 == 0 else float(len(response) % 2)\n"
+    )
     run_dir = tmp_path / "run"
     steps = 6
     result = vime_run(
