@@ -404,11 +404,16 @@ class FakeClient:
         self.sent.append(msg)
 
 
-def test_an_eval_group_holds_weight_updates_until_it_is_generated() -> None:
+def test_an_eval_group_holds_weight_updates_until_it_is_generated(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
     from vime.rollout import SamplingConfig
+    from workers import rollout
     from workers.rollout import RolloutWorker
+
+    # The run's second group comes 20 ms after the first ends; a grace of 1 s (not the shipped 0.25 s)
+    # keeps a loaded machine's scheduling delays from outlasting it.
+    monkeypatch.setattr(rollout, "EVAL_HOLD_GRACE_S", 1.0)
 
     async def scenario() -> None:
         engine, client = FakeEngine(version=3), FakeClient()
@@ -424,7 +429,7 @@ def test_an_eval_group_holds_weight_updates_until_it_is_generated() -> None:
         await asyncio.sleep(0.01)
         worker._note_version(4, "tcp://w:1")  # the trainer published v4 while the eval generates on v3
         train_task = asyncio.create_task(worker._generate_group(train_group))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # only gives a broken hold the time to let the update through
         assert engine.calls == [("generate", 3, 0.25)], "no update while the eval run holds v3; training waits"
         engine.release.set()
         await asyncio.wait_for(eval_task, 5)
@@ -433,7 +438,7 @@ def test_an_eval_group_holds_weight_updates_until_it_is_generated() -> None:
                        n_samples=2, min_weight_version=3, kind="eval")  # fmt: skip
         await asyncio.sleep(0.02)
         await asyncio.wait_for(worker._generate_group(second), 5)
-        await asyncio.wait_for(train_task, 5)
+        await asyncio.wait_for(train_task, 30)
         assert engine.calls == [("generate", 3, 0.25), ("generate", 3, 0.25), ("update", 4, 0.0), ("generate", 4, 1.0)]
         assert [int(s.token_versions[0]) for s in eval_group.samples + second.samples] == [3, 3, 3, 3]
         assert worker.stats["eval_groups"] == 2 and worker.stats["groups"] == 1 and worker.unpinned.is_set()

@@ -217,7 +217,9 @@ def test_slow_server_times_out_and_is_retried_then_fails_with_reason(fault_serve
 
 
 def test_a_slow_first_attempt_is_retried_and_the_sample_scored(fault_server: str) -> None:
-    results, stats = score(settings(f"{fault_server}/flaky/slow1/1/slow", timeout_s=0.3), items(1))
+    # The retry must be answered within timeout_s: 1.5 s leaves a loaded machine room, and still ends
+    # the 5 s slow attempt long before it would answer.
+    results, stats = score(settings(f"{fault_server}/flaky/slow1/1/slow", timeout_s=1.5), items(1))
     assert not results[0].failed and results[0].reward == 1.0
     assert stats["rm_retries"] == 1
 
@@ -275,17 +277,34 @@ def test_a_failing_url_is_routed_around(fault_server: str) -> None:
     assert [r.reward for r in results] == [float(i + 1) for i in range(10)]
 
 
-def test_circuit_opens_after_repeated_failures_and_stops_sending(fault_server: str) -> None:
+class BreakerClock:
+    """Stands in for the wall clock purgatory's circuit states read (`time.time()` in
+    `purgatory.domain.model`): the test moves time past `breaker_reset_s` instead of sleeping, and a
+    slow machine cannot let the pause run out before the "blocked" batch is sent."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_circuit_opens_after_repeated_failures_and_stops_sending(fault_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import purgatory.domain.model
+
+    clock = BreakerClock()
+    monkeypatch.setattr(purgatory.domain.model, "time", clock)
     url = f"{fault_server}/fail/500/breaker"
-    s = settings(url, retries=0, breaker_failures=3, breaker_reset_s=0.3, concurrency=1)
+    s = settings(url, retries=0, breaker_failures=3, breaker_reset_s=30.0, concurrency=1)
 
     async def go():
         async with RemoteReward(s) as rm:
             first = await rm.score_batch(items(3, "a"))  # 3 failures open the circuit
             sent = server_stats(fault_server)["fail/500"]
+            clock.now += 29.0  # still inside the pause
             blocked = await rm.score_batch(items(5, "b"))  # not sent at all
             not_sent = server_stats(fault_server)["fail/500"] == sent
-            await asyncio.sleep(0.6)  # past breaker_reset_s: one trial request goes out
+            clock.now += 2.0  # past breaker_reset_s: one trial request goes out
             trial = await rm.score_batch(items(1, "c"))
             trial_sent = server_stats(fault_server)["fail/500"] == sent + 1
             return first, blocked, not_sent, trial, trial_sent, rm.stats()

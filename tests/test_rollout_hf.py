@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers_engines import freeze_in_flight
 from vime.demo.model_factory import make_tiny_qwen3
 from vime.demo.tokenizer import EOS_ID
 from vime.rollout import SamplingConfig, WeightUpdateError, build_engine
@@ -20,6 +21,8 @@ from vime.weights import WeightPublisher
 torch.set_num_threads(1)
 
 PROMPT = [5, 6, 7, 8, 9]
+MAX_LEN = 1024  # the test model's max_position_embeddings
+LONG = MAX_LEN - len(PROMPT)  # the longest response: requests that stay in flight for ~1000 steps
 
 
 def peaked_weights(model_dir: Path, seed: int, scale: float = 2.5) -> list[tuple[str, torch.Tensor]]:
@@ -69,7 +72,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("hf_tiny") / "m", seed=0, max_position_embeddings=1024))
+    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("hf_tiny") / "m", seed=0, max_position_embeddings=MAX_LEN))
 
 
 @pytest.fixture
@@ -163,21 +166,49 @@ def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publis
 
 
 def test_update_in_flight_keeps_requests_and_stamps_new_version(loop, engine, model_dir, publisher) -> None:
-    async def scenario():
-        cfg = SamplingConfig(max_tokens=600, ignore_eos=True)
-        task = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=cfg))
-        await asyncio.sleep(0.3)
-        assert not task.done(), "generation finished before the update; make it longer"
-        publisher.publish(1, peaked_weights(model_dir, seed=1))
-        result = await engine.update_weights(1)
-        return await task, result
+    """The request is in flight at the update by construction: started, then frozen by a pause."""
 
-    samples, result = loop.run_until_complete(scenario())
-    assert result.version == 1
+    async def scenario():
+        start = engine.progress
+        (task,) = await freeze_in_flight(engine, PROMPT, requests=1, n=2, max_tokens=LONG)
+        try:
+            frozen = engine.progress
+            publisher.publish(1, peaked_weights(model_dir, seed=1))
+            result = await engine.update_weights(1)
+            # The update loaded the weights and left the freeze alone: not one step ran meanwhile.
+            assert engine.generation_paused and engine.progress == frozen and not task.done()
+        finally:
+            await engine.resume_generation()
+        return await task, result, frozen.tokens - start.tokens
+
+    samples, result, tokens_before = loop.run_until_complete(scenario())
+    print(f"\ntokens per row sampled before the freeze: {tokens_before / 2:g} of {LONG}")
+    assert result.version == 1 and not engine.generation_paused
+    # Both rows decode in lockstep, so each had the same number of tokens when the engine froze.
+    assert tokens_before % 2 == 0 and 1 <= tokens_before // 2 < LONG
+    old = tokens_before // 2
     for s in samples:
-        assert s.finish_reason == "length" and s.response_length == 600
-        v = s.token_versions
-        assert v[0] == 0 and v[-1] == 1 and np.all(np.diff(v) >= 0)  # old tokens old, later tokens new
+        assert s.finish_reason == "length" and s.response_length == LONG
+        # Exactly the tokens sampled before the freeze are old; every later one is new.
+        assert s.token_versions.tolist() == [0] * old + [1] * (LONG - old)
+
+
+def test_pause_holds_new_requests_until_resume(loop, engine) -> None:
+    async def scenario():
+        await engine.pause_generation()
+        await engine.pause_generation()  # idempotent
+        try:
+            frozen = engine.progress
+            task = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))
+            await asyncio.sleep(0.3)  # only gives a broken gate the time to let the request through
+            assert not task.done() and engine.progress == frozen
+        finally:
+            await engine.resume_generation()
+        await engine.resume_generation()  # idempotent
+        return await task, engine.progress.tokens - frozen.tokens
+
+    samples, tokens = loop.run_until_complete(scenario())
+    assert [s.response_length for s in samples] == [4, 4] and tokens == 8
 
 
 def test_missed_versions_jump_to_latest(loop, engine, model_dir, publisher) -> None:
@@ -213,17 +244,23 @@ def test_unreachable_publisher_fails_cleanly(loop, model_dir) -> None:
 
 
 def test_cancelled_generate_leaves_engine_usable(loop, engine) -> None:
-    async def scenario():
-        cfg = SamplingConfig(max_tokens=900, ignore_eos=True)
-        task = asyncio.create_task(engine.generate(PROMPT, n=1, sampling=cfg))
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3, ignore_eos=True))
+    """Cancelled while frozen in flight (so it cannot have finished first): its decode thread stops."""
 
-    (s,) = loop.run_until_complete(scenario())
+    async def scenario():
+        (task,) = await freeze_in_flight(engine, PROMPT, requests=1, n=1, max_tokens=LONG)
+        try:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await engine.resume_generation()
+        before = engine.progress
+        (sample,) = await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3, ignore_eos=True))
+        return sample, engine.progress.tokens - before.tokens
+
+    s, tokens = loop.run_until_complete(scenario())
     assert s.response_length == 3
+    assert tokens == 3, "the cancelled request kept decoding after the resume"
 
 
 def test_interface_errors(loop, engine) -> None:

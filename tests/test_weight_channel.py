@@ -219,6 +219,17 @@ def test_dropped_snapshot_buffer_is_reused_only_when_no_send_points_into_it() ->
         pub.publish(3, state(3))  # drops 1; nothing was sent from it, so its buffer is reused
         assert pub._snapshots[3].buffer is buf1
         buf2 = pub._snapshots[2].buffer
+        # The server thread answers a chunk request, sends the chunk and records its send tracker under
+        # the publisher's lock, the lock `publish` takes to drop a version: once the filter has seen
+        # the last index, every chunk of version 2 is queued before the drop below can happen.
+        all_answered = threading.Event()
+
+        def note_last(version: int, index: int, data: np.ndarray) -> np.ndarray:
+            if version == 2 and index == 31:
+                all_answered.set()
+            return data
+
+        pub._chunk_filter = note_last
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -229,7 +240,7 @@ def test_dropped_snapshot_buffer_is_reused_only_when_no_send_points_into_it() ->
         try:
             for index in range(32):  # ask for all of version 2, read nothing yet
                 sock.send_multipart(encode(WeightChunkRequest(fetch_id=9, version=2, index=index)))
-            time.sleep(0.3)
+            assert all_answered.wait(30), "the publisher did not answer the chunk requests"
             pub.publish(4, state(4))  # drops 2 while its chunks are queued: a fresh buffer is used
             assert pub._snapshots[4].buffer is not buf2
             for _ in range(32):  # every queued chunk still carries version 2's bytes

@@ -133,13 +133,15 @@ def test_a_fetch_restarted_on_a_newer_version_is_not_reported_as_stalled(monkeyp
     log = Recorder()
     monkeypatch.setattr(publisher_module, "log", log)
     monkeypatch.setattr(publisher_module, "_HOUSEKEEPING_S", 0.05)
-    with WeightPublisher(chunk_bytes=CHUNK, keep=1, stall_timeout_s=0.3) as pub:
+    # The restart (chunk 0 of version 1, a publish, the manifest of version 2) takes ~10 ms here; a
+    # stall timeout of 1 s keeps a loaded machine from looking like a stalled fetcher.
+    with WeightPublisher(chunk_bytes=CHUNK, keep=1, stall_timeout_s=1.0) as pub:
         pub.publish(1, state(1))
         with WeightFetcher(pub.endpoint, timeout_s=5.0) as fetcher:
             fetcher._after_chunk = lambda i: pub.publish(2, state(2)) if i == 0 and pub.latest_version == 1 else None
             got = fetcher.fetch()
         assert got.version == 2  # the fetch of version 1 was superseded and restarted on version 2
-        time.sleep(1.0)  # several stall periods and checks: the abandoned attempt must not show up
+        time.sleep(2.5)  # past the stall timeout, dozens of checks: the abandoned attempt must not show up
         assert [e for e in log.events("weight fetch stalled") if e["version"] == 1] == []
 
 

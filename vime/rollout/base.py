@@ -20,6 +20,13 @@ Contract every engine keeps:
 - Weight versions only go up. `update_weights(v)` loads the newest version the publisher holds that is
   >= v (a worker that missed versions jumps to the latest); a request for a version the engine already
   has is a cheap no-op.
+- `pause_generation()` freezes the engine: no model step runs until `resume_generation()`; every
+  request in flight keeps its state and KV cache and continues where it stopped; `generate`/`score`
+  calls made meanwhile wait and are submitted at resume. For colocated training (the trainer steps on
+  the devices the engine sleeps on) and for anything that needs requests held in flight. A weight
+  update on a frozen engine loads the weights and leaves the freeze in place (see `update_weights`).
+- `progress` counts sequences started and tokens sampled since `start`: a way to know generation has
+  reached a point without streaming every token out of the engine.
 """
 
 from __future__ import annotations
@@ -108,6 +115,15 @@ class GeneratedSample:
 
 
 @dataclass(frozen=True)
+class GenerationProgress:
+    """Counters since the engine started, over every request (warm-up included): `sequences` that have
+    sampled their first token, `tokens` sampled in all. They only go up; compare two readings."""
+
+    sequences: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
 class WeightUpdateResult:
     """What one `update_weights` call did; for logs and metrics.
 
@@ -151,7 +167,34 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
         """Load weights `>= version` from the publisher at `endpoint` (default: the engine's
-        `weight_endpoint`) without draining generation. Raises `WeightUpdateError` on failure."""
+        `weight_endpoint`) without draining generation. Raises `WeightUpdateError` on failure.
+
+        On an engine frozen by `pause_generation` the update loads the weights (tokens sampled after
+        `resume_generation` carry the new version) and returns with the engine still frozen. An engine
+        that finishes in-flight requests before an update (vLLM with `partial_rollout=False`) lets the
+        frozen requests run to completion under the old weights first, then freezes again."""
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Freeze generation: returns once no model step is running and none will start until
+        `resume_generation`. Requests in flight keep their sampled tokens and KV cache; new `generate`
+        and `score` calls wait (cancelling one that waits is fine). Idempotent. Raises RuntimeError if
+        the engine is not running."""
+
+    @abc.abstractmethod
+    async def resume_generation(self) -> None:
+        """Undo `pause_generation`: frozen requests continue, waiting calls are submitted. Idempotent;
+        a no-op on an engine that is not frozen."""
+
+    @property
+    @abc.abstractmethod
+    def generation_paused(self) -> bool:
+        """Whether `pause_generation` is in effect (not counting the short internal pause of an update)."""
+
+    @property
+    @abc.abstractmethod
+    def progress(self) -> GenerationProgress:
+        """Sequences started and tokens sampled since start (see `GenerationProgress`)."""
 
     @property
     @abc.abstractmethod
@@ -204,7 +247,7 @@ def build_engine(
     `capture_routing` makes every sample carry its MoE routing trace (R3); the vLLM engine supports it
     on CUDA only and raises RuntimeError when built without CUDA. `partial_rollout` (vLLM): generations in
     flight at a weight update continue under the new weights (True) or finish before it (False); the
-    transformers engine updates between batches, so its samples are always single-version.
+    transformers engine always continues them under the new weights (it loads between two decode steps).
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":

@@ -12,6 +12,9 @@ How it keeps the contract:
 - Every model step holds `_model_lock`; a weight update copies new tensors in place under the same
   lock, between steps. A token is stamped with the version of the weights whose logits it was
   sampled from. Sequences in flight keep their KV cache across the update (the "keep" trade-off).
+- `pause_generation` is a gate every step passes under `_model_lock` before running: while it is
+  closed the decode threads wait on it (releasing the lock, so an update can still load), holding
+  their sequences and KV caches; `resume_generation` opens it.
 - Weights come from `vime.weights.fetcher.WeightFetcher` (fetched outside the lock, so generation
   continues during the transfer); names are Hugging Face names, as the trainer publishes them.
 
@@ -43,6 +46,7 @@ from vime.logging import get_logger
 from vime.rollout.base import (
     FinishReason,
     GeneratedSample,
+    GenerationProgress,
     RolloutEngine,
     SamplingConfig,
     WeightUpdateError,
@@ -53,6 +57,9 @@ log = get_logger(__name__)
 
 _KNOWN_ARGS = {"dtype", "num_threads", "max_model_len", "seed", "max_concurrent"}
 _SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
+# How often a decode thread held at the pause gate looks at its cancel flag: cancelling a frozen
+# `generate` sets a threading.Event that cannot notify the gate's condition.
+_GATE_POLL_S = 0.05
 
 
 def process_logits(logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
@@ -153,6 +160,12 @@ class HfRolloutEngine(RolloutEngine):
         self._device: Any = None
         # Held for every model step and for the in-place weight copy: updates land between steps.
         self._model_lock = threading.Lock()
+        # The pause gate: a step starts only with the lock held and `_paused` false.
+        self._step_gate = threading.Condition(self._model_lock)
+        self._paused = False
+        self._progress_lock = threading.Lock()  # decode threads add to the counters concurrently
+        self._sequences_started = 0
+        self._tokens_sampled = 0
         self._update_lock = asyncio.Lock()
         self._decode_pool = ThreadPoolExecutor(int(args.get("max_concurrent", 16)), thread_name_prefix="vime-hf-decode")
         self._weights_pool = ThreadPoolExecutor(1, thread_name_prefix="vime-hf-weights")
@@ -201,8 +214,9 @@ class HfRolloutEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
-        with self._model_lock:
+        with self._step_gate:
             self._model = None
+            self._step_gate.notify_all()  # threads held by a pause see the flag and return
         # Decode threads see the flag at their next step and return "abort" samples.
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
         self._weights_pool.shutdown(wait=False, cancel_futures=True)
@@ -212,6 +226,53 @@ class HfRolloutEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def generation_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def progress(self) -> GenerationProgress:
+        with self._progress_lock:
+            return GenerationProgress(sequences=self._sequences_started, tokens=self._tokens_sampled)
+
+    async def pause_generation(self) -> None:
+        """Freeze every decode thread before its next step; returns once the step running now (if any)
+        has finished. Requests keep their tokens and KV caches, new ones wait at the same gate (see
+        `RolloutEngine.pause_generation`). A cancelled call still leaves the engine paused."""
+        self._running()
+        self._paused = True  # read under the lock before every step: no step starts from here on
+        # Taking the lock once waits out a step already past the gate (on a thread: steps take ms-s).
+        await asyncio.to_thread(self._wait_for_step_boundary)
+        log.info("hf engine generation paused", weight_version=self._version)
+
+    async def resume_generation(self) -> None:
+        """Open the gate: frozen requests continue (with the weights loaded meanwhile, if any)."""
+        if not self._paused:
+            return
+        self._paused = False
+        await asyncio.to_thread(self._wake_steps)
+        log.info("hf engine generation resumed", weight_version=self._version)
+
+    def _wait_for_step_boundary(self) -> None:
+        with self._model_lock:
+            pass
+
+    def _wake_steps(self) -> None:
+        with self._step_gate:
+            self._step_gate.notify_all()
+
+    def _pass_gate(self, cancel: threading.Event | None) -> bool:
+        """Wait, with `_model_lock` held (released while waiting), until a step may run; False if the
+        caller was cancelled or the engine closed meanwhile."""
+        while self._paused and not self._closed and not (cancel is not None and cancel.is_set()):
+            self._step_gate.wait(timeout=_GATE_POLL_S)
+        return not self._closed and not (cancel is not None and cancel.is_set())
+
+    def _count_progress(self, sequences: int, tokens: int) -> None:
+        with self._progress_lock:
+            self._sequences_started += sequences
+            self._tokens_sampled += tokens
 
     async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
         """Sample `n` responses on a worker thread. Cancelling the caller stops the decode loop at the
@@ -264,8 +325,8 @@ class HfRolloutEngine(RolloutEngine):
                 if cancel.is_set() or self._closed:
                     finish = [f or "abort" for f in finish]
                     break
-                with self._model_lock:
-                    model = self._model
+                with self._step_gate:
+                    model = self._model if self._pass_gate(cancel) else None
                     if model is None:
                         finish = [f or "abort" for f in finish]
                         break
@@ -275,10 +336,12 @@ class HfRolloutEngine(RolloutEngine):
                     else:
                         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
                     version = self._version  # the weights these logits came from
+                    # Sampled under the lock too, so a returned pause has every sampled token counted.
+                    next_tokens, next_logprobs = sample_tokens(out.logits[:, -1, :].float(), sampling, generator)
+                    next_list = next_tokens.tolist()
+                    next_lp = next_logprobs.tolist()
+                    self._count_progress(n if step == 0 else 0, sum(f is None for f in finish))
                 cache = out.past_key_values
-                next_tokens, next_logprobs = sample_tokens(out.logits[:, -1, :].float(), sampling, generator)
-                next_list = next_tokens.tolist()
-                next_lp = next_logprobs.tolist()
                 for row in range(n):
                     if finish[row] is not None:
                         continue
@@ -331,7 +394,8 @@ class HfRolloutEngine(RolloutEngine):
         if not response:
             return np.zeros(0, dtype=np.float32)
         ids = torch.tensor([prompt + response], dtype=torch.long, device=self._device)
-        with torch.inference_mode(), self._model_lock:
+        with torch.inference_mode(), self._step_gate:
+            self._pass_gate(None)
             logits = self._running()(input_ids=ids).logits[0].float()
         logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
         target = torch.tensor(response, dtype=torch.long, device=logprobs.device)
@@ -342,7 +406,9 @@ class HfRolloutEngine(RolloutEngine):
     async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
         """Fetch the newest weights >= `version` (generation continues), then copy them in between two
         decode steps. Serialized; an already loaded version is skipped. Raises `WeightUpdateError`; names
-        or shapes that do not match the model are rejected before any parameter changes."""
+        or shapes that do not match the model are rejected before any parameter changes. On a paused
+        engine the copy happens while the decode threads wait at the gate, and the engine stays paused:
+        their next tokens, after `resume_generation`, carry the new version."""
         self._running()
         endpoint = endpoint or self._weight_endpoint
         if not endpoint:

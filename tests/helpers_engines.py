@@ -1,0 +1,45 @@
+"""Shared set-up for the rollout-engine tests (test_rollout_hf, test_rollout_vllm) that need requests
+held in flight: wait until requests have started, by the engine's progress counters, not by a sleep.
+
+The pattern: submit requests that cannot finish soon (`ignore_eos`, `max_tokens` up to the model's
+length), wait with `until_started` until every one has sampled a token, `pause_generation()` the
+engine. From then on they are in flight by construction, on any machine, until `resume_generation()`.
+
+Not a test module (pytest does not collect it); tests import it as `helpers_engines`, which works
+because tests/ has no __init__.py, so pytest puts tests/ itself on sys.path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from vime.rollout import GenerationProgress, RolloutEngine, SamplingConfig
+
+
+async def until_started(
+    engine: RolloutEngine, since: GenerationProgress, sequences: int, timeout_s: float = 120.0
+) -> GenerationProgress:
+    """Wait until `sequences` more sequences than at `since` have sampled their first token; returns the
+    progress then. A deadline loop: fails (AssertionError) only if generation does not start at all."""
+    deadline = time.monotonic() + timeout_s
+    while (now := engine.progress).sequences - since.sequences < sequences:
+        assert time.monotonic() < deadline, f"{sequences} sequences did not start within {timeout_s:g} s: {now}"
+        await asyncio.sleep(0.001)
+    return now
+
+
+async def freeze_in_flight(
+    engine: RolloutEngine, prompt: list[int], *, requests: int, n: int, max_tokens: int
+) -> list[asyncio.Task]:
+    """Submit `requests` generate calls of `n` sequences each that ignore EOS, wait until every sequence
+    has sampled a token, then freeze the engine. The returned tasks stay in flight until the caller
+    resumes it; the assertion fails only if `max_tokens` tokens were sampled between the start and the
+    freeze (a few steps), which no machine does for a response that long."""
+    start = engine.progress
+    sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
+    tasks = [asyncio.create_task(engine.generate(prompt, n=n, sampling=sampling)) for _ in range(requests)]
+    await until_started(engine, start, sequences=requests * n)
+    await engine.pause_generation()
+    assert not any(t.done() for t in tasks), "generation finished before the engine froze"
+    return tasks
