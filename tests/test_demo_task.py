@@ -30,6 +30,7 @@ def test_make_prompts_rows_are_correct_sums() -> None:
     for row in rows:
         a, b = row["metadata"]["a"], row["metadata"]["b"]
         assert 100 <= a <= 999 and 100 <= b <= 999
+        assert 100 <= a + b <= 999  # a fixed answer length: every answer position is one decimal place
         assert row["prompt"] == f"{a}+{b}="
         assert row["label"] == str(a + b)
         assert row["metadata"]["task"] == arithmetic.TASK_NAME
@@ -45,12 +46,21 @@ def test_make_prompts_is_deterministic_and_seeded() -> None:
 def test_make_prompts_digits_and_bad_arguments() -> None:
     for row in arithmetic.make_prompts(100, seed=1, digits=2):
         a, b = row["metadata"]["a"], row["metadata"]["b"]
-        assert 10 <= a <= 99 and 10 <= b <= 99
+        assert 10 <= a <= 99 and 10 <= b <= 99 and a + b <= 99
     assert arithmetic.make_prompts(0) == []
     with pytest.raises(ValueError):
         arithmetic.make_prompts(-1)
     with pytest.raises(ValueError):
         arithmetic.make_prompts(3, digits=0)
+
+
+def test_problems_cover_every_pair_whose_sum_keeps_its_digits() -> None:
+    import random
+
+    rng = random.Random(0)
+    pairs = {arithmetic.make_problem(rng, digits=1) for _ in range(3000)}
+    # digits=1: operands 0-9 with a one-digit sum, i.e. every pair with a + b <= 9, and nothing else.
+    assert pairs == {(a, b) for a in range(10) for b in range(10) if a + b <= 9}
 
 
 def test_write_jsonl_round_trips(tmp_path) -> None:
