@@ -123,6 +123,19 @@ def test_a_failing_worker_stops_the_whole_job_and_is_named(tiny_model: Path, tmp
 
 
 @pytest.mark.e2e
+def test_a_job_that_does_not_learn_enough_exits_with_code_3(tiny_model: Path, tmp_path: Path) -> None:
+    # Rewards lie in [0, 1], so no job can raise the mean by 2: `--min-reward-gain` must fail it.
+    result = vime_run(
+        tmp_path / "run", tiny_model, "--rollout-engine", "hf", "--num-rollout", "3", "--rollout-batch-size", "2",
+        "--min-reward-gain", "2", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "vime: the job did not learn: reward first-5" in result.stderr
+    assert "less than --min-reward-gain 2.0" in result.stderr
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 3  # it ran to the end first
+
+
+@pytest.mark.e2e
 def test_ctrl_c_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
     import signal
     import time

@@ -67,3 +67,24 @@ def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path: Path) -> Non
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _steps(rewards: list[float]) -> list[dict]:
+    return [{"step": i, "time": float(i), "rollout/raw_reward": r} for i, r in enumerate(rewards)]
+
+
+def test_the_learning_verdict_compares_the_reward_gain_with_the_bar(capsys) -> None:
+    from vime.launcher import DID_NOT_LEARN, _learning_verdict
+    from vime.metrics import summarize
+
+    rising = summarize(_steps([0.3] * 5 + [0.5] * 10 + [0.7] * 5))
+    assert _learning_verdict(rising, 0.3) == 0
+    assert "the job learned: reward first-5 0.300 -> last-5 0.700 (+0.400)" in capsys.readouterr().out
+    assert _learning_verdict(rising, 0.5) == DID_NOT_LEARN
+    assert "did not learn: reward first-5 0.300 -> last-5 0.700 (+0.400), less than --min-reward-gain 0.5" in (
+        capsys.readouterr().err
+    )
+    flat = summarize(_steps([0.01] * 20))
+    assert _learning_verdict(flat, 0.3) == DID_NOT_LEARN
+    assert _learning_verdict(None, 0.3) == DID_NOT_LEARN
+    assert "trained no step" in capsys.readouterr().err

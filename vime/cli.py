@@ -16,13 +16,23 @@ def _cmd_run(argv: list[str]) -> int:
     parser.add_argument("config", type=Path, help="YAML config (flags override it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    parser.add_argument(
+        "--min-reward-gain", type=float, default=None, metavar="GAIN",
+        help="exit with code 3 when the mean reward of the last 5 steps exceeds that of the first 5 by less "
+        "than GAIN (`make demo` asks for 0.3)",
+    )  # fmt: skip
     add_config_flags(parser)
     cfg, args = parse_config(argv, parser)
+    from vime.demo.model_factory import DemoModelError
     from vime.launcher import run_job
     from vime.logging import configure_logging
 
     configure_logging()
-    return run_job(cfg, progress=not args.no_progress, timeout_s=args.timeout)
+    try:
+        return run_job(cfg, progress=not args.no_progress, timeout_s=args.timeout, min_reward_gain=args.min_reward_gain)
+    except DemoModelError as exc:
+        print(f"vime: {exc}", file=sys.stderr)
+        return 1
 
 
 def _cmd_status(argv: list[str]) -> int:

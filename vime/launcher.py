@@ -175,8 +175,20 @@ class ProgressView:
         self.bar.close()
 
 
-def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None = None) -> int:
-    """Run the whole job on this machine; returns the exit code for `vime run`."""
+# `vime run`'s exit code for a job that ran to the end but whose reward rose less than
+# `--min-reward-gain` (1 is a failed process, 124 a timeout, 130 an interrupt).
+DID_NOT_LEARN = 3
+
+
+def run_job(
+    cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None = None, min_reward_gain: float | None = None
+) -> int:
+    """Run the whole job on this machine; returns the exit code for `vime run`.
+
+    The demo model (`make_demo_model`) is built before any process starts; a build that misses its
+    accuracy target raises `DemoModelError`. With `min_reward_gain`, a job that finishes but whose mean
+    reward rose less than that (first 5 steps -> last 5) returns `DID_NOT_LEARN` and says so.
+    """
     from vime.security import check_job
 
     check_job(cfg)  # SecurityError (missing keys, plaintext off loopback) before any child starts
@@ -241,8 +253,24 @@ def run_job(cfg: VimeConfig, *, progress: bool = True, timeout_s: float | None =
         view.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    _finish_report(cfg, view.records)
+    summary = _finish_report(cfg, view.records)
+    if exit_code == 0 and min_reward_gain is not None:
+        exit_code = _learning_verdict(summary, min_reward_gain)
     return exit_code
+
+
+def _learning_verdict(summary: dict[str, Any] | None, min_reward_gain: float) -> int:
+    """0 if the reward rose by at least `min_reward_gain`, else `DID_NOT_LEARN`; says which either way."""
+    if summary is None:
+        tqdm.write(f"vime: the job did not learn: it trained no step (--min-reward-gain {min_reward_gain})", file=sys.stderr)
+        return DID_NOT_LEARN
+    rise = (f"reward first-5 {summary['reward_first5']:.3f} -> last-5 {summary['reward_last5']:.3f} "
+            f"({summary['reward_gain']:+.3f})")
+    if summary["reward_gain"] < min_reward_gain:
+        tqdm.write(f"vime: the job did not learn: {rise}, less than --min-reward-gain {min_reward_gain}", file=sys.stderr)
+        return DID_NOT_LEARN
+    tqdm.write(f"vime: the job learned: {rise}, at least --min-reward-gain {min_reward_gain}")
+    return 0
 
 
 def _set_aside_unfinished_job(cfg: VimeConfig) -> None:
@@ -275,11 +303,12 @@ def stop_children(children: list[Child]) -> None:
             child.log_handle.close()
 
 
-def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> None:
+def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Write the plot and summary.json, print the reward rise; returns the summary (None: no steps)."""
     from vime.metrics import plot_metrics, summarize, training_records
 
     if not training_records(records):
-        return
+        return None
     png = plot_metrics(cfg.run_dir / "metrics.jsonl", cfg.run_dir / "reward_curve.png")
     summary = summarize(records)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -290,3 +319,4 @@ def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> None:
     for run in summary["eval"]:
         passes = "  ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in run.items() if "/pass@" in k)
         tqdm.write(f"vime: eval at step {run['step']} (weights v{run['weight_version']}): {passes}")
+    return summary
