@@ -11,17 +11,21 @@ KEYS = {"abs_diff_no_r3", "abs_diff_r3", "routing_agreement_no_r3", "routing_agr
 
 
 def test_bench_r3_json(capsys):
+    """Top-1 routing, so a token whose expert flips between bf16 and fp32 runs a wholly different FFN
+    and replay has a clear effect (about 2x smaller mismatch over seeds 0-5 here). With top-4 and a
+    hundred tokens the effect sits inside the dense bf16/fp32 noise, and the comparison below was a
+    coin toss that changed with the data and the processor."""
     from vime.cli import _cmd_bench
 
-    rc = _cmd_bench(["r3", "--json", "--sft-steps", "30", "--prompts", "6", "--samples-per-prompt", "4",
-                     "--max-new-tokens", "6", "--threads", "1"])  # fmt: skip
+    rc = _cmd_bench(["r3", "--json", "--top-k", "1", "--sft-steps", "60", "--prompts", "24",
+                     "--samples-per-prompt", "4", "--max-new-tokens", "8", "--threads", "1"])  # fmt: skip
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert KEYS <= result.keys()
     assert result["routing_agreement_r3"] == 1.0  # measured inside the replayed forward
     assert 0.0 < result["routing_agreement_no_r3"] < 1.0  # bf16 and fp32 route some token apart
     assert result["routing_agreement_unreplayed"] == result["routing_agreement_no_r3"]
-    assert result["abs_diff_r3"] < result["abs_diff_no_r3"]
+    assert result["abs_diff_r3"] < 0.8 * result["abs_diff_no_r3"], result
 
 
 def test_bench_unknown_name():
