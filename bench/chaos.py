@@ -338,6 +338,9 @@ class Chaos:
         self.end_s: float | None = None
         self.timed_out = False
         self.busy_until = 0.0  # no new fault while a broker/trainer restart is in progress
+        # The slowest start-to-Hello of any incarnation per worker kind, measured in this run: how long
+        # a restarted worker of that kind needs on this machine, under this load.
+        self.join_latency_s: dict[str, float] = {}
 
     # -- helpers --
     def now(self) -> float:
@@ -365,7 +368,15 @@ class Chaos:
     def has_joined(self, p: Proc) -> bool:
         if not p.joined:
             p.joined = any(e.get("worker") == p.worker_id for e in self.broker_events_after(p.joined_offset, "worker_joined"))
+            if p.joined:
+                latency = time.monotonic() - p.started_at
+                self.join_latency_s[p.kind] = max(self.join_latency_s.get(p.kind, 0.0), latency)
         return p.joined
+
+    def rejoin_window_s(self, kind: str) -> float:
+        """How close to the job's end a restarted worker may come back and still not be expected to
+        rejoin: the configured window, or twice the slowest join of that kind seen in this run."""
+        return max(self.args.rejoin_window_s, 2.0 * self.join_latency_s.get(kind, 0.0))
 
     def broker_events_after(self, offset: int, event: str) -> list[dict[str, Any]]:
         path = self.run_dir / "logs" / "broker.log"
@@ -418,6 +429,9 @@ class Chaos:
                 return
             steps = self.steps_done()
             self._restart_due(now)
+            for p in self.procs:
+                if p.kind in WORKER_KINDS and p.alive:
+                    self.has_joined(p)  # measures join latency as it happens
             code = trainer.poll()
             if code is not None and not trainer.killed:
                 self.trainer_exit = code
@@ -552,9 +566,12 @@ class Chaos:
                 if seen:
                     fault.rejoined = True
                     fault.rejoined_after_s = _seconds_between(seen[0].get("timestamp"), fault)
-                elif end - fault.restarted_at_s < self.args.rejoin_window_s and fault.kind in WORKER_KINDS:
+                elif fault.kind in WORKER_KINDS and end - fault.restarted_at_s < self.rejoin_window_s(fault.kind):
                     fault.rejoined = None
-                    fault.note = f"restarted {end - fault.restarted_at_s:.1f} s before the job ended: too late to rejoin"
+                    fault.note = (
+                        f"restarted {end - fault.restarted_at_s:.1f} s before the job ended: too late to rejoin "
+                        f"(a {fault.kind} worker took up to {self.join_latency_s.get(fault.kind, 0.0):.1f} s to join here)"
+                    )
                 else:
                     fault.rejoined = False
             fault.survived = bool(finished and fault.progressed and fault.rejoined is not False)
