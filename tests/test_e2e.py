@@ -41,8 +41,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny", seed=0))
 
 
+def _trainer_ranks() -> int:
+    """Two trainer ranks (gloo on CPU); on a GPU machine one per GPU, at most two."""
+    import torch
+
+    return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+
+
+TRAINER_RANKS = _trainer_ranks()
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """The environment for a child `vime` process: this checkout first on PYTHONPATH, then whatever the
+    caller had there (a GPU machine's packages installed with --target, say)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def vime_run(run_dir: Path, model: Path, *extra: str, timeout: float = 480) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")
+    env = run_env(VIME_LOG_LEVEL="INFO")
     argv = [
         sys.executable, "-m", "vime.cli", "run", str(REPO / "configs" / "demo.yaml"),
         "--run-dir", str(run_dir), "--hf-checkpoint", str(model), "--no-make-demo-model",
@@ -73,7 +90,7 @@ def test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks(tiny_model: Pat
     steps = 4
     result = vime_run(
         run_dir, tiny_model,
-        "--num-rollout", str(steps), "--trainer-world-size", "2", "--rollout-batch-size", "4",
+        "--num-rollout", str(steps), "--trainer-world-size", str(TRAINER_RANKS), "--rollout-batch-size", "4",
         "--n-samples-per-prompt", "4", "--max-staleness", "1", "--rollout-engine", "vllm", "--save-interval", "2",
     )  # fmt: skip
     assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
@@ -141,7 +158,7 @@ def test_ctrl_c_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
     import time
 
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")  # the checks read info events
+    env = run_env(VIME_LOG_LEVEL="INFO")  # the checks read info events
     argv = [
         sys.executable, "-m", "vime.cli", "run", str(REPO / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
         "--hf-checkpoint", str(tiny_model), "--no-make-demo-model", "--rollout-engine", "hf", "--num-rollout", "100000",

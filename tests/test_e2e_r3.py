@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_e2e import read_jsonl, vime_run
+from test_e2e import TRAINER_RANKS, read_jsonl, vime_run
 from vime.r3.trace import validate_trace
 from vime.rollout.vllm_engine import R3_CPU_ERROR, VllmRolloutEngine, moe_layer_indices, vllm_routing_trace
 
@@ -41,7 +41,7 @@ def _run(run_dir: Path, model: Path, *extra: str) -> list[dict]:
     result = vime_run(
         run_dir, model,
         "--rollout-engine", "hf", "--rollout-dtype", "bfloat16", "--num-rollout", str(STEPS),
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--trainer-world-size", "2",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--trainer-world-size", str(TRAINER_RANKS),
         "--max-staleness", "1", "--seed", "7", *extra, timeout=420,
     )  # fmt: skip
     assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
@@ -142,11 +142,12 @@ def test_vllm_routed_experts_keep_only_moe_layers_in_the_compact_dtype() -> None
         vllm_routing_trace(routed, [1, 2, 3], 8, 8)
 
 
-def test_vllm_engine_refuses_routing_capture_without_cuda() -> None:
+def test_vllm_engine_refuses_routing_capture_only_without_cuda() -> None:
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("CUDA present: the refusal applies to CPU machines only")
+        assert VllmRolloutEngine("unused", capture_routing=True)._capture_routing  # refused on CPU only
+        return
     with pytest.raises(RuntimeError) as err:
         VllmRolloutEngine("unused", capture_routing=True)
     assert str(err.value) == R3_CPU_ERROR and "--rollout-engine hf" in R3_CPU_ERROR

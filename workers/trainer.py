@@ -58,6 +58,10 @@ class DistInfo:
     local_rank: int
 
 
+class TrainerLayoutError(RuntimeError):
+    """The trainer ranks asked for do not fit the GPUs this node has."""
+
+
 def init_distributed(megatron: bool = False) -> DistInfo:
     """Join the process group described by torchrun/SLURM-style env vars (no-op for one rank)."""
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
@@ -66,6 +70,12 @@ def init_distributed(megatron: bool = False) -> DistInfo:
     if (world_size > 1 or megatron) and not dist.is_initialized():  # Megatron needs process groups even alone
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
+            if local_rank >= torch.cuda.device_count():
+                raise TrainerLayoutError(
+                    f"trainer rank {rank} has local rank {local_rank}, but this node has "
+                    f"{torch.cuda.device_count()} GPU(s): one GPU per trainer rank, so lower --trainer-world-size "
+                    "or spread the ranks over nodes"
+                )
             torch.cuda.set_device(local_rank)
         if world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
