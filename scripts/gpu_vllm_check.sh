@@ -4,7 +4,8 @@
 # /tmp/vllm-site first: `../shared/gpu/prepare-vllm-cuda.sh` prepares it (three runs; see its header).
 #   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped
 #   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts: torch, megatron, colocate-free split
-#   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs the pipeline at real Qwen3 sizes
+#   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
+#   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,10 +46,22 @@ for part in "${@:-tests}"; do
       cp "$run/metrics.jsonl" "$out/pipeline_${backend}_metrics.jsonl" 2>/dev/null || true
     done
     ;;
+  sizes)
+    # GRPO steps at real Qwen3 sizes (random init, the demo task and tokenizer padded to 151936), async
+    # (--max-staleness 2) then sync (0): step-time breakdown, engine idle and trainer wait fractions.
+    for size in ${VIME_GPU_SIZES:-0.6b}; do
+      model=/tmp/vime-qwen3-$size
+      python3 -m vime.demo.model_factory --kind qwen3 --size "$size" --out "$model" > /dev/null || { status=1; continue; }
+      timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_STEPS:-6}" --json --port "$(free_port)" \
+        --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
+        --rollout-max-response-len 1024 --micro-batch-size 4 --vllm-max-model-len 1152 \
+        --vllm-gpu-memory-utilization 0.35 --no-progress 2>&1 | tail -n 3 | tee -a "$out/sizes.jsonl" || status=1
+    done
+    ;;
   bench)
     timeout 560 python3 -m vime.bench.vllm_gpu --out "$out/vllm_gpu.jsonl" 2>&1 | tee "$out/bench.log" || status=1
     ;;
-  *) echo "unknown part: $part (tests, pipeline, bench)"; status=2 ;;
+  *) echo "unknown part: $part (tests, pipeline, sizes, bench)"; status=2 ;;
   esac
 done
 exit "$status"

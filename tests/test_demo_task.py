@@ -150,3 +150,35 @@ def test_round_trip_over_the_alphabet(tokenizer, text: str) -> None:
     ids = tokenizer.encode(text)
     assert len(ids) == len(text)
     assert tokenizer.decode(ids) == text
+
+
+def test_a_tokenizer_padded_to_qwen3s_vocabulary_encodes_the_demo_task_alike(tmp_path) -> None:
+    """The demo task on a model of real size: the same ids for every demo text, 151936 entries, and
+    the fillers decode to visible text."""
+    from vime.demo.model_factory import QWEN3_VOCAB_SIZE
+    from vime.demo.tokenizer import load_tokenizer, save_tokenizer
+
+    small = load_tokenizer(save_tokenizer(tmp_path / "small"))
+    big = load_tokenizer(save_tokenizer(tmp_path / "big", vocab_size=QWEN3_VOCAB_SIZE))
+    assert len(big) == QWEN3_VOCAB_SIZE
+    text = "what is 123+456?\n579"
+    assert big.encode(text) == small.encode(text)
+    assert big.decode([QWEN3_VOCAB_SIZE - 1]) == f"<reserved_{QWEN3_VOCAB_SIZE - 1 - 4 - 49}>"
+    with pytest.raises(ValueError, match="at least"):
+        save_tokenizer(tmp_path / "tiny", vocab_size=10)
+
+
+@pytest.mark.parametrize(("size", "billions"), [("0.6b", 0.596), ("1.7b", 1.72), ("4b", 4.02), ("8b", 8.19)])
+def test_qwen3_shapes_have_the_published_parameter_counts(size: str, billions: float) -> None:
+    """Counted on the meta device (nothing allocated): Qwen3-0.6B/1.7B/4B (tied embeddings) and 8B."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from vime.demo.model_factory import _qwen3_config, qwen3_shape_recipe
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(_qwen3_config(qwen3_shape_recipe(size)))
+    params = sum(p.numel() for p in model.parameters()) / 1e9  # parameters() yields a tied tensor once
+    assert abs(params - billions) < 0.01, params
+    with pytest.raises(KeyError, match="known"):
+        qwen3_shape_recipe("3b")

@@ -20,25 +20,17 @@ from typing import Any
 
 import numpy as np
 
-# Qwen3 dense shapes (hidden, layers, heads, kv heads, intermediate); head_dim 128, vocab 151936.
-QWEN3_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
-    "0.6b": (1024, 28, 16, 8, 3072),
-    "1.7b": (2048, 28, 16, 8, 6144),
-    "4b": (2560, 36, 32, 8, 9728),
-    "8b": (4096, 36, 32, 8, 12288),
-}
-QWEN3_VOCAB = 151936
-
+from vime.demo.model_factory import QWEN3_SHAPES, QWEN3_VOCAB_SIZE
 
 def qwen3_config_dir(size: str, root: Path, max_len: int) -> Path:
     """A directory holding only the config.json of a Qwen3 of that size (weights come from vLLM's
     dummy loader)."""
-    hidden, layers, heads, kv_heads, inter = QWEN3_SHAPES[size]
+    hidden, layers, heads, kv_heads, inter, tied = QWEN3_SHAPES[size]
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": 128, "intermediate_size": inter, "vocab_size": QWEN3_VOCAB, "max_position_embeddings": max_len,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": size in ("0.6b", "1.7b", "4b"),
+        "head_dim": 128, "intermediate_size": inter, "vocab_size": QWEN3_VOCAB_SIZE, "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tied,
         "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
         "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
     }

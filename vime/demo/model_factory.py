@@ -127,6 +127,18 @@ class TinyRecipe:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     save_dtype: str = "bfloat16"
+    tie_embeddings: bool = True
+
+
+# Qwen3 dense shapes by size: (hidden, layers, heads, kv heads, intermediate, tied embeddings); all use
+# head_dim 128 and the 151936-entry vocabulary.
+QWEN3_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "0.6b": (1024, 28, 16, 8, 3072, True),
+    "1.7b": (2048, 28, 16, 8, 6144, True),
+    "4b": (2560, 36, 32, 8, 9728, True),
+    "8b": (4096, 36, 32, 8, 12288, False),
+}
+QWEN3_VOCAB_SIZE = 151936
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,7 +202,7 @@ def _cached_build(
     return out
 
 
-def _save(model: Any, out: Path, max_len: int, dtype: str) -> None:
+def _save(model: Any, out: Path, max_len: int, dtype: str, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
     """Save model (safetensors, in `dtype`), generation config (eos/pad) and the demo tokenizer.
 
     bfloat16 by default, like published checkpoints: vLLM then runs exactly the saved weights, and
@@ -203,7 +215,7 @@ def _save(model: Any, out: Path, max_len: int, dtype: str) -> None:
     model.config.dtype = dtype
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(str(out))
-    save_tokenizer(out, model_max_length=max_len)
+    save_tokenizer(out, model_max_length=max_len, vocab_size=vocab_size)
 
 
 def _param_count(model: Any) -> int:
@@ -242,7 +254,7 @@ def _qwen3_config(r: DemoRecipe | TinyRecipe) -> Any:
         num_key_value_heads=r.num_kv_heads,
         head_dim=r.head_dim,
         max_position_embeddings=r.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=getattr(r, "tie_embeddings", True),
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -487,7 +499,10 @@ def _make_tiny(out_dir: str | Path, recipe: TinyRecipe, force: bool) -> Path:
         if recipe.kind == "qwen3":
             from transformers import Qwen3ForCausalLM
 
-            model = Qwen3ForCausalLM(_qwen3_config(recipe))
+            # Real sizes initialise in seconds on a GPU rather than minutes on CPU cores.
+            device = "cuda" if recipe.vocab_size > DEFAULT_VOCAB_SIZE and torch.cuda.is_available() else "cpu"
+            with torch.device(device):
+                model = Qwen3ForCausalLM(_qwen3_config(recipe))
         else:
             from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -514,7 +529,7 @@ def _make_tiny(out_dir: str | Path, recipe: TinyRecipe, force: bool) -> Path:
             )
             model = Qwen3MoeForCausalLM(config)
         model.eval()
-        _save(model, out, recipe.max_position_embeddings, recipe.save_dtype)
+        _save(model, out, recipe.max_position_embeddings, recipe.save_dtype, recipe.vocab_size)
         return {"kind": f"tiny_{recipe.kind}", "params": _param_count(model)}
 
     return _cached_build(out_dir, dataclasses.asdict(recipe), build, force)
@@ -541,6 +556,35 @@ def make_tiny_qwen3(
         max_position_embeddings=max_position_embeddings, save_dtype=dtype,
     )
     return _make_tiny(out_dir, recipe, force)
+
+
+def make_qwen3_shape(
+    out_dir: str | Path,
+    size: str,
+    seed: int = 0,
+    *,
+    max_position_embeddings: int = 4096,
+    dtype: str = "bfloat16",
+    force: bool = False,
+) -> Path:
+    """A random-init Qwen3 of a real size (`QWEN3_SHAPES`: hidden sizes, layers, heads and the 151936
+    vocabulary of the published models) with the demo tokenizer padded to that vocabulary: the demo
+    task runs on it unchanged, at the cost of a real model. For throughput and memory measurements
+    (it is untrained: its rewards stay near zero). Raises KeyError naming the known sizes."""
+    recipe = qwen3_shape_recipe(size, seed, max_position_embeddings=max_position_embeddings, dtype=dtype)
+    return _make_tiny(out_dir, recipe, force)
+
+
+def qwen3_shape_recipe(size: str, seed: int = 0, *, max_position_embeddings: int = 4096, dtype: str = "bfloat16") -> TinyRecipe:
+    """The recipe `make_qwen3_shape` builds. Raises KeyError naming the known sizes."""
+    if size not in QWEN3_SHAPES:
+        raise KeyError(f"unknown Qwen3 size {size!r}; known: {', '.join(QWEN3_SHAPES)}")
+    hidden, layers, heads, kv_heads, inter, tied = QWEN3_SHAPES[size]
+    return TinyRecipe(
+        kind="qwen3", seed=seed, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=128, intermediate_size=inter, vocab_size=QWEN3_VOCAB_SIZE,
+        max_position_embeddings=max_position_embeddings, save_dtype=dtype, tie_embeddings=tied,
+    )
 
 
 def make_tiny_qwen3_moe(
@@ -588,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fresh starts allowed when an attempt runs out of steps")
     parser.add_argument("--target-accuracy", type=float, default=DemoRecipe.target_accuracy,
                         help="stop the warm start once sampled accuracy reaches this; <0 disables")
-    parser.add_argument("--kind", choices=["demo", "tiny", "tiny-moe"], default="demo")
+    parser.add_argument("--kind", choices=["demo", "tiny", "tiny-moe", "qwen3"], default="demo",
+                        help="qwen3: a random-init Qwen3 of --size with the demo tokenizer")
+    parser.add_argument("--size", choices=list(QWEN3_SHAPES), default="0.6b", help="with --kind qwen3")
     parser.add_argument("--dtype", choices=list(_SAVE_DTYPES), default="bfloat16", help="dtype of the saved weights")
     parser.add_argument("--threads", type=int, default=1, help="torch threads during the build")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -604,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     elif args.kind == "tiny":
         out = make_tiny_qwen3(args.out, seed=args.seed, dtype=args.dtype, force=args.force)
+    elif args.kind == "qwen3":
+        out = make_qwen3_shape(args.out, args.size, seed=args.seed, dtype=args.dtype, force=args.force)
     else:
         out = make_tiny_qwen3_moe(args.out, seed=args.seed, dtype=args.dtype, force=args.force)
     json.dump(read_meta(out), sys.stdout, indent=2)

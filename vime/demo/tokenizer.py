@@ -34,10 +34,19 @@ CHARACTERS: tuple[str, ...] = tuple("0123456789+-*/=()., ?:\n") + tuple("abcdefg
 # Filler entries so the vocabulary is exactly the model's embedding size (64): every id a model can
 # sample decodes to visible text. They are ordinary tokens, not special ones, on purpose: a response
 # with a stray reserved token must not decode (skip_special_tokens) into a clean, rewardable answer.
+# A tokenizer for a model of real size (Qwen3's 151936 embeddings) is the same one with more fillers.
 VOCAB_SIZE = 64
-RESERVED_TOKENS: tuple[str, ...] = tuple(
-    f"<reserved_{i}>" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(CHARACTERS))
-)
+_BASE_TOKENS = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+
+def reserved_tokens(size: int = VOCAB_SIZE) -> tuple[str, ...]:
+    """The filler tokens that bring the vocabulary to `size` entries."""
+    if size < _BASE_TOKENS:
+        raise ValueError(f"a demo vocabulary needs at least {_BASE_TOKENS} entries, got {size}")
+    return tuple(f"<reserved_{i}>" for i in range(size - _BASE_TOKENS))
+
+
+RESERVED_TOKENS: tuple[str, ...] = reserved_tokens()
 
 PAD_ID = 0
 EOS_ID = 1
@@ -48,14 +57,14 @@ UNK_ID = 3
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-def vocab() -> dict[str, int]:
+def vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
     """Token string -> id; special tokens first so their ids are fixed (pad 0, eos 1, bos 2, unk 3)."""
-    return {token: i for i, token in enumerate(id_to_token())}
+    return {token: i for i, token in enumerate(id_to_token(size))}
 
 
-def id_to_token() -> tuple[str, ...]:
+def id_to_token(size: int = VOCAB_SIZE) -> tuple[str, ...]:
     """Token string for each id, in id order (special tokens, characters, reserved fillers)."""
-    return SPECIAL_TOKENS + CHARACTERS + RESERVED_TOKENS
+    return SPECIAL_TOKENS + CHARACTERS + (RESERVED_TOKENS if size == VOCAB_SIZE else reserved_tokens(size))
 
 
 def vocab_size() -> int:
@@ -63,9 +72,9 @@ def vocab_size() -> int:
     return VOCAB_SIZE
 
 
-def build_tokenizer_object() -> Tokenizer:
+def build_tokenizer_object(size: int = VOCAB_SIZE) -> Tokenizer:
     """The raw `tokenizers.Tokenizer`: WordLevel over single characters, no post-processing."""
-    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK_TOKEN))
+    tok = Tokenizer(models.WordLevel(vocab=vocab(size), unk_token=UNK_TOKEN))
     # Every character is its own pre-token; WordLevel then maps it to an id (or <unk>).
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins decoded tokens without the spaces WordLevel's default decoding would insert.
@@ -74,18 +83,19 @@ def build_tokenizer_object() -> Tokenizer:
     return tok
 
 
-def save_tokenizer(out_dir: str | Path, model_max_length: int = 256) -> Path:
+def save_tokenizer(out_dir: str | Path, model_max_length: int = 256, vocab_size: int = VOCAB_SIZE) -> Path:
     """Write the tokenizer files into `out_dir` (created if missing) and return the directory.
 
-    Loadable afterwards with `AutoTokenizer.from_pretrained(out_dir)`. Raises OSError if the directory
-    cannot be written.
+    `vocab_size` pads the vocabulary with reserved tokens to a model's embedding size (151936 for Qwen3
+    shapes). Loadable afterwards with `AutoTokenizer.from_pretrained(out_dir)`. Raises OSError if the
+    directory cannot be written, ValueError for a size below the demo's own tokens.
     """
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer_object(),
+        tokenizer_object=build_tokenizer_object(vocab_size),
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         bos_token=BOS_TOKEN,
