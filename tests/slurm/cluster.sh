@@ -19,9 +19,12 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 die() { echo "slurm-cluster: $*" >&2; exit 1; }
 
 free_port() {  # a TCP port nothing listens on (random, so parallel clusters do not collide)
-  local port
+  # Below the kernel's ephemeral range: a port there can be the local end of some outgoing connection,
+  # which a connect test does not see but which makes slurmctld's bind fail with "Address already in use".
+  local port low
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
   for _ in $(seq 100); do
-    port=$((20000 + RANDOM % 30000))
+    port=$((20000 + RANDOM % (low - 20000)))
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || { echo "$port"; return 0; }
   done
   die "no free TCP port found"
