@@ -127,7 +127,12 @@ stop() {
   for pid in $(for name in slurmd-nodeA slurmd-nodeB slurmctld munged; do alive "$name" && pid_of "$name"; done) $(cluster_pids); do
     kill -KILL "$pid" 2>/dev/null && echo "slurm-cluster: killed leftover pid $pid ($(tr '\0' ' ' 2>/dev/null </proc/"$pid"/cmdline | cut -c1-80))"
   done
-  if [ "${1:-}" != from-watchdog ] && alive watchdog; then kill -TERM "$(pid_of watchdog)" 2>/dev/null; fi
+  if [ "${1:-}" != from-watchdog ] && alive watchdog; then
+    # The watchdog is its own session (setsid): end it with its `sleep`, and return only once it is
+    # gone (bash acts on a signal only after the sleep it waits for, up to 2 s later).
+    kill -TERM -- "-$(pid_of watchdog)" 2>/dev/null || kill -TERM "$(pid_of watchdog)" 2>/dev/null
+    wait_until 10 "the watchdog to exit" bash -c "! kill -0 $(pid_of watchdog) 2>/dev/null || grep -q '^[^)]*) Z' /proc/$(pid_of watchdog)/stat" || true
+  fi
   echo "slurm-cluster: stopped ($STATE)"
 }
 
