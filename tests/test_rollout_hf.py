@@ -14,7 +14,7 @@ import torch
 from helpers_engines import freeze_in_flight
 from vime.demo.model_factory import make_tiny_qwen3
 from vime.demo.tokenizer import EOS_ID
-from vime.rollout import SamplingConfig, WeightUpdateError, build_engine
+from vime.rollout import SamplingConfig, WeightFetchFailed, WeightUpdateError, build_engine
 from vime.rollout.hf_engine import HfRolloutEngine, process_logits
 from vime.weights import WeightPublisher
 
@@ -234,7 +234,7 @@ def test_unreachable_publisher_fails_cleanly(loop, model_dir) -> None:
     eng = HfRolloutEngine(str(model_dir), fetch_timeout_s=0.5)
     loop.run_until_complete(eng.start())
     try:
-        with pytest.raises(WeightUpdateError, match="keeps its weights"):
+        with pytest.raises(WeightFetchFailed, match="keeps its weights"):
             loop.run_until_complete(eng.update_weights(1, "tcp://127.0.0.1:9"))
         assert eng.weight_version == 0
         (s,) = loop.run_until_complete(eng.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=3)))

@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm
 from helpers_engines import freeze_in_flight, until_started  # noqa: E402
 from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
 from vime.demo.tokenizer import EOS_ID  # noqa: E402
-from vime.rollout import SamplingConfig, WeightUpdateError, build_engine  # noqa: E402
+from vime.rollout import SamplingConfig, WeightFetchFailed, WeightUpdateError, build_engine  # noqa: E402
 from vime.rollout.hf_engine import process_logits  # noqa: E402
 from vime.rollout.vllm_engine import VllmRolloutEngine, normalize_engine_args  # noqa: E402
 from vime.weights import WeightPublisher  # noqa: E402
@@ -294,7 +294,7 @@ def test_missed_versions_jump_to_latest(loop, engine, model_dir, publisher) -> N
 
 def test_unreachable_publisher_keeps_engine_generating(loop, engine) -> None:
     before = engine.weight_version
-    with pytest.raises(WeightUpdateError, match="keeps its weights"):
+    with pytest.raises(WeightFetchFailed, match="keeps its weights"):
         loop.run_until_complete(engine.update_weights(before + 100, "tcp://127.0.0.1:9"))
     assert engine.weight_version == before
     (s,) = loop.run_until_complete(engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))

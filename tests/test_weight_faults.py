@@ -25,7 +25,7 @@ from helpers_sockets import Recorder, bare_context, dealer, free_port
 import vime.weights.publisher as publisher_module
 from vime.protocol.codec import decode, encode
 from vime.protocol.weights import MIN_CHUNK_BYTES, WeightChunkRequest, WeightFetch, WeightManifest
-from vime.rollout import WeightUpdateError
+from vime.rollout import WeightFetchFailed, WeightUpdateError
 from vime.rollout.base import WeightUpdateResult
 from vime.weights import WeightFetcher, WeightFetchError, WeightPublisher
 
@@ -202,7 +202,7 @@ def test_a_rollout_engine_keeps_generating_through_a_stuck_transfer_and_takes_th
         try:
             loop.run_until_complete(engine.start())
             pub.publish(1, model_weights(tiny_model, 1))
-            with pytest.raises(WeightUpdateError) as failure:
+            with pytest.raises(WeightFetchFailed) as failure:
                 loop.run_until_complete(engine.update_weights(1, pub.endpoint))
             message = str(failure.value)
             assert f"weight fetch from {pub.endpoint} failed (engine keeps its weights)" in message
@@ -232,7 +232,7 @@ class FlakyEngine:
     async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
         self.calls.append(version)
         if len(self.calls) <= self.failures:
-            raise WeightUpdateError(f"weight fetch from {endpoint} failed (engine keeps its weights): no reply "
+            raise WeightFetchFailed(f"weight fetch from {endpoint} failed (engine keeps its weights): no reply "
                                     f"within 0.5 s while waiting for chunks of version {version}")  # fmt: skip
         self.weight_version = version
         return WeightUpdateResult(version=version, requested_version=version)
@@ -288,7 +288,7 @@ def test_a_rollout_worker_whose_updates_keep_failing_stops_instead_of_waiting_fo
         worker._note_version(1, "tcp://127.0.0.1:1")
         await asyncio.wait_for(worker._update_loop(), 10)
 
-    with pytest.raises(WeightUpdateError, match="chunks of version 1"):
+    with pytest.raises(WeightFetchFailed, match="chunks of version 1"):
         asyncio.run(scenario())
     assert len(engine.calls) == rollout.MAX_UPDATE_FAILURES
 
@@ -309,8 +309,9 @@ def test_a_rollout_worker_stops_at_once_when_a_load_failed_part_way(monkeypatch:
         worker._note_version(1, "tcp://127.0.0.1:1")
         await asyncio.wait_for(worker._update_loop(), 10)
 
-    with pytest.raises(WeightUpdateError, match="partly updated"):
+    with pytest.raises(WeightUpdateError, match="partly updated") as failure:
         asyncio.run(scenario())
+    assert not isinstance(failure.value, WeightFetchFailed)
     assert engine.calls == [1]
 
 

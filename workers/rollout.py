@@ -41,7 +41,7 @@ from vime.protocol.messages import (
     Shutdown,
     WeightVersionAnnounce,
 )
-from vime.rollout import GeneratedSample, SamplingConfig, WeightUpdateError, build_engine
+from vime.rollout import GeneratedSample, SamplingConfig, WeightFetchFailed, build_engine
 from vime.security import Security
 
 log = get_logger("vime.worker.rollout")
@@ -82,7 +82,10 @@ class RolloutWorker:
         self.update_wanted = asyncio.Event()
         self.busy = BusyTimer()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stats = {"busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0}
+        self.stats = {
+            "busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "fetch_s": 0.0, "load_s": 0.0, "paused_s": 0.0,
+            "update_bytes": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0,
+        }  # fmt: skip
         self.sampling: SamplingConfig | None = None
         self.eval_sampling: SamplingConfig | None = None
         self.eval_pins = 0  # eval groups generating on their run's version: weight updates wait
@@ -180,13 +183,10 @@ class RolloutWorker:
             started = time.perf_counter()
             try:
                 result = await self.engine.update_weights(self.target_version, self.endpoint)
-            except WeightUpdateError as exc:
+            except WeightFetchFailed as exc:
                 # A stuck or broken transfer: the engine keeps its weights and keeps generating; retry
                 # later (or sooner, on a newer announcement). Only repeated failures end the worker.
-                # Any other update error may have left the model half loaded: restart (the contract of
-                # WeightUpdateError, whose message says which case it is).
-                if "engine keeps its weights" not in str(exc):
-                    raise
+                # Any other WeightUpdateError may have left the model half loaded: it ends the worker.
                 self.update_failures += 1
                 log.error("weight_update_failed", version=self.target_version, endpoint=self.endpoint,
                           failures=self.update_failures, error=str(exc)[:1000])  # fmt: skip
@@ -198,6 +198,10 @@ class RolloutWorker:
             seconds = time.perf_counter() - started
             self.stats["update_s"] += seconds
             self.stats["updates"] += 1
+            self.stats["fetch_s"] += result.fetch_s
+            self.stats["load_s"] += result.load_s
+            self.stats["paused_s"] += result.paused_s
+            self.stats["update_bytes"] += result.nbytes
             bind_progress(weight_version=self.engine.weight_version)
             log.info(
                 "weights_loaded", version=result.version, requested=result.requested_version, seconds=round(seconds, 4),

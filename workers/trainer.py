@@ -148,6 +148,11 @@ def rollout_metrics(groups: list[Group], stats: dict[str, float]) -> dict[str, f
         "rollout/num_samples": float(len(samples)),
         "perf/rollout_busy_s_total": stats.get("rollout_busy_s", 0.0),
         "perf/rollout_update_s_total": stats.get("rollout_update_s", 0.0),
+        "perf/rollout_fetch_s_total": stats.get("rollout_fetch_s", 0.0),
+        "perf/rollout_load_s_total": stats.get("rollout_load_s", 0.0),
+        "perf/rollout_paused_s_total": stats.get("rollout_paused_s", 0.0),
+        "perf/rollout_update_bytes_total": stats.get("rollout_update_bytes", 0.0),
+        "perf/rollout_tokens_total": stats.get("rollout_tokens", 0.0),
         "perf/reward_busy_s_total": stats.get("reward_busy_s", 0.0),
         # What the broker measured itself (dynamic sampling counts, ...) arrives already named.
         **{k: float(v) for k, v in stats.items() if k.startswith("rollout/")},

@@ -644,6 +644,12 @@ class BrokerState:
             # engine idle time can be computed over any window of steps.
             "rollout_busy_s": self._sum_stat("rollout", "busy_s"),
             "rollout_update_s": self._sum_stat("rollout", "update_s"),
+            # The weight update's parts inside the engines, and what they generated (cumulative).
+            "rollout_fetch_s": self._sum_stat("rollout", "fetch_s"),
+            "rollout_load_s": self._sum_stat("rollout", "load_s"),
+            "rollout_paused_s": self._sum_stat("rollout", "paused_s"),
+            "rollout_update_bytes": self._sum_stat("rollout", "update_bytes"),
+            "rollout_tokens": self._sum_stat("rollout", "tokens"),
             "reward_busy_s": self._sum_stat("reward", "busy_s"),
         }
         if self.group_filter is not None:

@@ -148,8 +148,13 @@ class WeightUpdateResult:
 
 
 class WeightUpdateError(RuntimeError):
-    """A weight update failed. The engine keeps generating with the weights it had unless the message
-    says the load itself failed part way (then the worker should restart)."""
+    """A weight update failed and the model may be partly updated: the worker should restart the engine.
+    The subclass `WeightFetchFailed` is the harmless case."""
+
+
+class WeightFetchFailed(WeightUpdateError):
+    """The weights never arrived (publisher gone, timeout, checksum): the engine keeps generating with
+    the weights it had, so the update can be retried."""
 
 
 class RolloutEngine(abc.ABC):

@@ -49,6 +49,7 @@ from vime.rollout.base import (
     GenerationProgress,
     RolloutEngine,
     SamplingConfig,
+    WeightFetchFailed,
     WeightUpdateError,
     WeightUpdateResult,
 )
@@ -421,7 +422,7 @@ class HfRolloutEngine(RolloutEngine):
             try:
                 fetched = await loop.run_in_executor(self._weights_pool, self._fetch, endpoint, version)
             except Exception as exc:
-                raise WeightUpdateError(
+                raise WeightFetchFailed(
                     f"weight fetch from {endpoint} failed (engine keeps its weights): {exc}"
                 ) from exc
             fetch_s = time.perf_counter() - started

@@ -29,6 +29,7 @@ from vime.rollout.base import (
     GenerationProgress,
     RolloutEngine,
     SamplingConfig,
+    WeightFetchFailed,
     WeightUpdateError,
     WeightUpdateResult,
     versions_from_spans,
@@ -550,13 +551,13 @@ class VllmRolloutEngine(RolloutEngine):
             statuses = await self._wait_fetched(llm)
             errors = [s["error"] for s in statuses if "error" in s]
             if errors:
-                raise WeightUpdateError(f"weight fetch from {endpoint} failed (engine keeps its weights): {errors[0]}")
+                raise WeightFetchFailed(f"weight fetch from {endpoint} failed (engine keeps its weights): {errors[0]}")
             versions = {int(s["version"]) for s in statuses}
             if len(versions) == 1:
                 return {"version": versions.pop(), "nbytes": statuses[0]["nbytes"],
                         "fetch_s": max(s["fetch_s"] for s in statuses)}
             min_version = max(versions)
-        raise WeightUpdateError(f"workers could not agree on a weight version from {endpoint}")
+        raise WeightFetchFailed(f"workers could not agree on a weight version from {endpoint}")
 
     async def _wait_fetched(self, llm: Any) -> list[dict[str, Any]]:
         # Each poll is a small RPC the engine core serves between steps, so polling does not pause
@@ -566,11 +567,11 @@ class VllmRolloutEngine(RolloutEngine):
         while True:
             statuses = await llm.collective_rpc("vime_fetch_status")
             if any(s is None for s in statuses):
-                raise WeightUpdateError("a vLLM worker lost its weight fetch")
+                raise WeightFetchFailed("a vLLM worker lost its weight fetch")
             if all(s["done"] for s in statuses):
                 return statuses
             if time.monotonic() > deadline:
-                raise WeightUpdateError("weight fetch did not finish in time")
+                raise WeightFetchFailed("weight fetch did not finish in time")
             await asyncio.sleep(delay)
             delay = min(delay * 2, _FETCH_POLL_S[1])
 
