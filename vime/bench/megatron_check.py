@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-H200_BF16_PEAK_FLOPS = 989e12
+from vime.bench.flops import H200_BF16_PEAK_FLOPS, training_flops_per_token
 
 
 def _setup() -> None:
@@ -340,12 +340,8 @@ def check_speed(
                          loss_mask=np.ones(seq - prompt, np.uint8), reward=float(i % 2))
             for i in range(samples)]  # fmt: skip
     batch = RolloutBatch.from_samples(recs)
-    q_dim = c.num_attention_heads * c.head_dim
-    per_layer = c.hidden_size * (q_dim + 2 * c.num_key_value_heads * c.head_dim) + q_dim * c.hidden_size
-    per_layer += 3 * c.hidden_size * c.intermediate_size
-    matmul_params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size  # + LM head
     tokens = samples * seq
-    flops = tokens * (6 * matmul_params + 6 * c.num_hidden_layers * seq * q_dim)
+    flops = tokens * training_flops_per_token(c, seq)
     out = []
     common = dict(hf_checkpoint=str(path), lr=1e-5, micro_batch_size=micro_batch)
     for backend in ("torch", "megatron"):

@@ -1,0 +1,75 @@
+"""Model FLOPs of training a dense decoder-only transformer (Qwen3 / Llama layout), for MFU figures.
+
+Used by the Megatron GPU check's speed numbers (`vime.bench.megatron_check`) and by
+`bench/step_breakdown.py`, so both report MFU from the same formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# NVIDIA's H200 SXM datasheet figure for dense bf16 tensor-core throughput (the 1979 TFLOP/s figure
+# assumes 2:4 sparsity, which training does not use).
+H200_BF16_PEAK_FLOPS = 989e12
+
+# Config keys that mark a mixture-of-experts model: its per-token FLOPs depend on the routed experts,
+# which the dense formula below would overcount (all experts) or undercount (none).
+_EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _config_value(config: Mapping[str, Any] | Any, name: str, default: Any = None) -> Any:
+    """One field of a Hugging Face config given as a dict (config.json) or a PretrainedConfig."""
+    if isinstance(config, Mapping):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def _query_dim(config: Mapping[str, Any] | Any) -> tuple[int, int]:
+    """(head_dim, q_dim = heads * head_dim). Qwen3 sets head_dim (128, not hidden / heads); Llama-style
+    configs leave it out and derive it."""
+    heads = int(_config_value(config, "num_attention_heads"))
+    head_dim = int(_config_value(config, "head_dim", int(_config_value(config, "hidden_size")) // heads))
+    return head_dim, heads * head_dim
+
+
+def matmul_params(config: Mapping[str, Any] | Any) -> int:
+    """Parameters of the matmuls one token goes through: per layer the q/k/v/o projections and the
+    gated MLP (gate, up, down), plus the LM head. The input embedding is a lookup, not a matmul, so it
+    does not count; a tied LM head still multiplies, so it counts once. Norms are left out (negligible).
+
+    Raises ValueError for a mixture-of-experts config (see `_EXPERT_COUNT_KEYS`)."""
+    for key in _EXPERT_COUNT_KEYS:
+        if _config_value(config, key, 0):
+            raise ValueError(f"training FLOPs of a mixture-of-experts model ({key}) are not modelled; dense configs only")
+    hidden = int(_config_value(config, "hidden_size"))
+    head_dim, q_dim = _query_dim(config)
+    kv_heads = int(_config_value(config, "num_key_value_heads", _config_value(config, "num_attention_heads")))
+    attention = hidden * (q_dim + 2 * kv_heads * head_dim) + q_dim * hidden
+    mlp = 3 * hidden * int(_config_value(config, "intermediate_size"))
+    lm_head = int(_config_value(config, "vocab_size")) * hidden
+    return int(_config_value(config, "num_hidden_layers")) * (attention + mlp) + lm_head
+
+
+def training_flops_per_token(config: Mapping[str, Any] | Any, seq_len: float) -> float:
+    """FLOPs of one training token (forward + backward) of a dense model with causal attention:
+
+        6 * matmul_params + 6 * num_hidden_layers * seq_len * q_dim
+
+    6 per matmul parameter is 2 for the forward multiply-add and 4 for the backward (input and weight
+    gradients). The attention scores (QK^T) and the weighted sum (PV) cost 2 * seq_len * q_dim each per
+    token forward without masking; the causal mask halves that, and the backward costs twice the
+    forward, giving 6 * seq_len * q_dim per layer. Recompute (activation checkpointing) is not counted,
+    as MFU conventionally excludes it.
+
+    `seq_len` is the length of the sequence the token belongs to (prompt + response). For a batch of
+    mixed lengths s_i the exact per-token attention term uses sum(s_i^2) / sum(s_i); passing the mean
+    length understates that term when lengths spread. The term is seq_len * q_dim next to about
+    matmul_params / layers per layer (a sixth of the total for Qwen3-0.6B at 2048 tokens), so a short
+    sequence's error is small.
+    """
+    _, q_dim = _query_dim(config)
+    layers = int(_config_value(config, "num_hidden_layers"))
+    return float(6 * matmul_params(config) + 6 * layers * seq_len * q_dim)
