@@ -1,10 +1,20 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures and helpers shared by several test modules."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that imports vime: this checkout first on PYTHONPATH, then
+    whatever the caller had there (a GPU machine's packages installed with --target, say)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def shared_demo_model_dir(tmp_path_factory: pytest.TempPathFactory, seed: int) -> Path:

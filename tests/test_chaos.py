@@ -12,12 +12,13 @@ minute on 2 cores; docs/reliability.md ("Chaos test") has the details and the fu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,7 @@ def test_random_worker_kills_and_a_broker_kill_lose_nothing_and_train_nothing_tw
 
     model = make_tiny_qwen3(tmp_path / "tiny", seed=0)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")  # the checks read info events
+    env = run_env(VIME_LOG_LEVEL="INFO")  # the checks read info events
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "chaos.py"), "--preset", "ci", "--seed", "0", "--run-dir", str(run_dir),
          "--hf-checkpoint", str(model), "--timeout", "200", "--quiet"],

@@ -15,7 +15,6 @@ import asyncio
 import fcntl
 import ipaddress
 import json
-import os
 import shutil
 import socket
 import stat
@@ -30,6 +29,7 @@ import pytest
 import torch
 import yaml
 import zmq
+from conftest import run_env
 from helpers_sockets import Recorder, bare_context, dealer, free_port, start_broker, stop_broker
 
 import vime.security
@@ -367,11 +367,11 @@ def test_a_fetcher_in_a_process_vime_did_not_start_reads_its_keys_from_the_envir
     with WeightPublisher(security=keys["job"]) as pub:
         pub.publish(5, small_state())
         code = f"from vime.weights import WeightFetcher\nprint(WeightFetcher({pub.endpoint!r}, timeout_s=20).fetch().version)"
-        env = dict(os.environ, PYTHONPATH=str(REPO), **keys["job"].env())
+        env = run_env(**keys["job"].env())
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip().splitlines()[-1] == "5"
-        env = dict(os.environ, PYTHONPATH=str(REPO), **keys["intruder"].env())
+        env = run_env(**keys["intruder"].env())
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and "refused the connection" in result.stderr
 
@@ -438,7 +438,7 @@ def _events(log: Path, event: str) -> list[dict[str, Any]]:
 def test_vime_run_with_curve_keys_trains_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
     """`vime keys DIR` then `vime run ... --curve-keys-dir DIR`: every process (broker, reward,
     rollout with its weight fetcher, trainer with its weight publisher) uses CURVE, and the job trains."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")
+    env = run_env(VIME_LOG_LEVEL="INFO")
     keys = tmp_path / "keys"
     made = subprocess.run(
         [sys.executable, "-m", "vime.cli", "keys", str(keys)],

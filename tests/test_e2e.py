@@ -9,13 +9,14 @@ loadable checkpoint, and weight versions actually loaded by the rollout engine.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,13 +50,6 @@ def _trainer_ranks() -> int:
 
 
 TRAINER_RANKS = _trainer_ranks()
-
-
-def run_env(**extra: str) -> dict[str, str]:
-    """The environment for a child `vime` process: this checkout first on PYTHONPATH, then whatever the
-    caller had there (a GPU machine's packages installed with --target, say)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def vime_run(run_dir: Path, model: Path, *extra: str, timeout: float = 480) -> subprocess.CompletedProcess[str]:

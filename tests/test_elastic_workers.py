@@ -10,7 +10,6 @@ worker started by hand mid-run, then stopped.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -39,6 +38,8 @@ from vime.protocol.messages import (
     WeightVersionAnnounce,
     Welcome,
 )
+
+from conftest import run_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,7 +152,7 @@ def test_a_rollout_worker_joins_a_running_job_takes_work_and_leaves_cleanly(tmp_
 
     model = make_tiny_qwen3(tmp_path / "tiny", seed=0)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), VIME_LOG_LEVEL="INFO")  # the checks read info events
+    env = run_env(VIME_LOG_LEVEL="INFO")  # the checks read info events
     job = subprocess.Popen(
         [sys.executable, "-m", "vime.cli", "run", str(REPO / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
          "--hf-checkpoint", str(model), "--no-make-demo-model", "--rollout-engine", "hf", "--num-rollout", "100000",

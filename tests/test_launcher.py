@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from conftest import run_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -44,7 +46,7 @@ def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path: Path) -> Non
         child.start()
         time.sleep(60)
     """)
-    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=REPO, env=run_env())
     try:
         deadline = time.monotonic() + 30
         while not pid_file.exists() or not pid_file.read_text():

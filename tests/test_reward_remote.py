@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -34,6 +33,8 @@ import pytest
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings
 from vime.rewards.types import RewardResult
 from vime.rewards.wire import ReplyError, ScoreItem, decode_reply, encode_reply, encode_request
+
+from conftest import run_env
 
 HERE = Path(__file__).resolve()
 
@@ -128,7 +129,7 @@ async def _serve_forever() -> None:
 
 @pytest.fixture(scope="module")
 def fault_server() -> str:
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))  # the script imports vime like the tests do
+    env = run_env()  # the script imports vime like the tests do
     proc = subprocess.Popen([sys.executable, str(HERE)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         port = int(proc.stdout.readline())

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_env
+
 REPO = Path(__file__).resolve().parent.parent
 SLURM_TESTS = REPO / "tests" / "slurm"
 
@@ -88,9 +90,9 @@ def slurm_env() -> Iterator[dict[str, str]]:
     try:
         assert start.returncode == 0, f"cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
         print(start.stdout)
-        env = dict(
-            os.environ, SLURM_CONF=str(state / "slurm.conf"), PYTHONPATH=str(REPO),
-            PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin", VIME_LOG_LEVEL="INFO",  # checks read info events
+        env = run_env(
+            SLURM_CONF=str(state / "slurm.conf"), PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin",
+            VIME_LOG_LEVEL="INFO",  # checks read info events
         )  # fmt: skip
         yield env
     finally:

@@ -23,6 +23,8 @@ from vime.slurm.layout import SlurmLayoutError, SlurmOptions, plan_layout
 from vime.slurm.network import advertised_endpoint
 from vime.slurm.render import ScriptPaths, render_script
 
+from conftest import run_env
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.yaml"
 
@@ -214,7 +216,7 @@ def test_vime_slurm_help_lists_layout_and_job_flags(capsys: pytest.CaptureFixtur
 
 
 def test_vime_slurm_submit_without_sbatch_says_so(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=str(Path(sys.executable).parent))  # no sbatch there
+    env = run_env(PATH=str(Path(sys.executable).parent))  # no sbatch there
     assert shutil.which("sbatch", path=env["PATH"]) is None
     result = subprocess.run(
         [sys.executable, "-m", "vime.cli", "slurm", str(DEMO), "--run-dir", str(tmp_path / "run"), "--submit"],
