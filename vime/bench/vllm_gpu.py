@@ -20,23 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from vime.demo.model_factory import QWEN3_SHAPES, QWEN3_VOCAB_SIZE
+from vime.demo.model_factory import _qwen3_config, qwen3_shape_recipe
+
 
 def qwen3_config_dir(size: str, root: Path, max_len: int) -> Path:
-    """A directory holding only the config.json of a Qwen3 of that size (weights come from vLLM's
-    dummy loader)."""
-    hidden, layers, heads, kv_heads, inter, tied = QWEN3_SHAPES[size]
-    config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": 128, "intermediate_size": inter, "vocab_size": QWEN3_VOCAB_SIZE, "max_position_embeddings": max_len,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tied,
-        "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
-        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-    }
+    """A directory holding only the config.json of the Qwen3 of that size that `make_qwen3_shape`
+    builds (weights come from vLLM's dummy loader). Raises KeyError naming the known sizes."""
+    recipe = qwen3_shape_recipe(size, max_position_embeddings=max_len)
+    config = _qwen3_config(recipe)
+    config.dtype = recipe.save_dtype  # the dtype make_qwen3_shape's saved config names, not the build's float32
+    config.architectures = ["Qwen3ForCausalLM"]  # vLLM picks its model class by this; a model's save fills it in
     out = root / f"qwen3-{size}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config))
+    config.save_pretrained(out)
     return out
 
 
