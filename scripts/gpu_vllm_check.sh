@@ -3,9 +3,10 @@
 # 10-minute limit allows. vLLM 0.26.0 (the CUDA build that matches torch 2.11) must be installed in
 # /tmp/vllm-site first: `../shared/gpu/prepare-vllm-cuda.sh` prepares it (three runs; see its header).
 #   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped
-#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts: torch, megatron, colocate-free split
+#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate)
 #   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
+#   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,21 +30,30 @@ for part in "${@:-tests}"; do
   case "$part" in
   tests)
     timeout 540 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_vllm_versions.py \
-      tests/test_rollout_vllm.py tests/test_e2e_r3.py "tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks" \
+      tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py tests/test_colocate.py \
+      "tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks" \
+      "tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc" \
       2>&1 | tee "$out/pytest_vllm.log" || status=1
     ;;
   pipeline)
-    # The CPU demo's task with vLLM rollouts on the GPU: split layout (engine and trainer share the GPU's
-    # memory), torch backend, then the Megatron backend on the same demo model.
-    for backend in torch megatron; do
-      run=/tmp/vime-gpu-vllm-$backend; rm -rf "$run"
-      extra=(); [ "$backend" = megatron ] && extra=(--no-make-demo-model)
-      timeout 280 python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm --train-backend "$backend" \
-        --num-rollout "${VIME_GPU_STEPS:-100}" --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-demo-model \
+    # The CPU demo's task with vLLM rollouts on the GPU, `make demo`'s 300 steps and bar: split layout
+    # (engine and trainer share the GPU's memory) with the torch and the Megatron backend, then
+    # colocated (the engine sleeps at level 2 while the torch trainer steps; weights over CUDA IPC).
+    for layout in ${VIME_GPU_LAYOUTS:-torch megatron colocate}; do
+      run=/tmp/vime-gpu-vllm-$layout; rm -rf "$run"
+      case "$layout" in
+        torch) extra=(--train-backend torch --make-demo-model) ;;
+        megatron) extra=(--train-backend megatron --make-demo-model) ;;
+        colocate) extra=(--train-backend torch --make-demo-model --colocate) ;;
+        *) echo "unknown layout $layout"; status=2; continue ;;
+      esac
+      timeout "${VIME_GPU_RUN_S:-280}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
+        --num-rollout "${VIME_GPU_STEPS:-300}" --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-demo-model \
         --vllm-gpu-memory-utilization 0.3 --no-progress --broker-address "tcp://127.0.0.1:$(free_port)" \
-        --min-reward-gain 0.2 "${extra[@]}" 2>&1 | tail -n 25 | tee "$out/pipeline_$backend.log" || status=1
+        --min-reward-gain "${VIME_GPU_MIN_GAIN:-0.3}" "${extra[@]}" 2>&1 | tail -n 25 | tee "$out/pipeline_$layout.log" || status=1
       learned "$run/metrics.jsonl" | tee -a "$out/pipeline.jsonl" || status=1
-      cp "$run/metrics.jsonl" "$out/pipeline_${backend}_metrics.jsonl" 2>/dev/null || true
+      cp "$run/metrics.jsonl" "$out/pipeline_${layout}_metrics.jsonl" 2>/dev/null || true
+      cp "$run/logs/rollout-0.log" "$out/pipeline_${layout}_rollout.log" 2>/dev/null || true
     done
     ;;
   sizes)
@@ -52,16 +62,22 @@ for part in "${@:-tests}"; do
     for size in ${VIME_GPU_SIZES:-0.6b}; do
       model=/tmp/vime-qwen3-$size
       python3 -m vime.demo.model_factory --kind qwen3 --size "$size" --out "$model" > /dev/null || { status=1; continue; }
-      timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_STEPS:-6}" --json --port "$(free_port)" \
+      # The JSON report goes to its own file (stdout); the runs' logs to another.
+      timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_SIZE_STEPS:-6}" --json --port "$(free_port)" \
         --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
         --rollout-max-response-len 1024 --micro-batch-size 4 --vllm-max-model-len 1152 \
-        --vllm-gpu-memory-utilization 0.35 --no-progress 2>&1 | tail -n 3 | tee -a "$out/sizes.jsonl" || status=1
+        --vllm-gpu-memory-utilization 0.35 --no-progress > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
+      cat "$out/sizes_$size.json"
     done
     ;;
   bench)
     timeout 560 python3 -m vime.bench.vllm_gpu --out "$out/vllm_gpu.jsonl" 2>&1 | tee "$out/bench.log" || status=1
     ;;
-  *) echo "unknown part: $part (tests, pipeline, sizes, bench)"; status=2 ;;
+  transport)
+    timeout 560 python3 -m vime.bench.weight_transport --sizes "${VIME_GPU_TRANSPORT_SIZES:-0.6b,1.7b,4b}" \
+      --out "$out/weight_transport.jsonl" 2>&1 | tee "$out/transport.log" | grep '^{"bench"' || status=1
+    ;;
+  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport)"; status=2 ;;
   esac
 done
 exit "$status"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_env
 
@@ -169,3 +170,44 @@ def test_ctrl_c_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
     assert proc.returncode == 130, err[-2000:]
     leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "child processes survived Ctrl-C"
+
+
+def _check_colocated_run(run_dir: Path, steps: int, transport: str) -> None:
+    """Every step took the GPU from the engine and gave it back on the new version; the engine sampled
+    no token while asleep (its own counter, not the sleep flag). After the last step the job ends: the
+    rollout worker may have exited before that hand-back."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for m in metrics[:-1]:
+        assert m["perf/colocate_sleep_s"] >= 0 and m["perf/colocate_wake_s"] > 0
+        assert m["perf/colocate_weight_bytes"] > 0, f"step {m['step']}: the wake-up loaded no weights"
+    log = run_dir / "logs" / "rollout-0.log"
+    assert sorted(e["step"] for e in logged_events(log, "engine_asleep")) == list(range(steps))
+    awake = sorted(logged_events(log, "engine_awake"), key=lambda e: e["step"])
+    assert [e["step"] for e in awake][: steps - 1] == list(range(steps - 1))
+    assert all(e["tokens_while_asleep"] == 0 for e in awake)
+    assert {e["transport"] for e in awake} == {transport}
+    assert [e["weight_version"] for e in awake] == list(range(1, len(awake) + 1))
+
+
+@pytest.mark.e2e
+def test_colocated_engine_sleeps_while_the_trainer_steps(tiny_model: Path, tmp_path: Path) -> None:
+    """--colocate with the transformers engine (CPU): the turn protocol end to end."""
+    run_dir = tmp_path / "run"
+    result = vime_run(run_dir, tiny_model, "--colocate", "--rollout-engine", "hf", "--num-rollout", "4",
+                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", timeout=300)  # fmt: skip
+    assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
+    _check_colocated_run(run_dir, 4, transport="chunks")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not _vllm_available(), reason="vLLM is not installed; `make test` installs it")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode frees memory only on CUDA (a no-op on CPU)")
+def test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc(tiny_model: Path, tmp_path: Path) -> None:
+    """--colocate with vLLM on one GPU: level-2 sleep while the trainer steps, weights over CUDA IPC."""
+    run_dir = tmp_path / "run"
+    result = vime_run(run_dir, tiny_model, "--colocate", "--rollout-engine", "vllm", "--num-rollout", "4",
+                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--vllm-gpu-memory-utilization", "0.3",
+                      timeout=400)  # fmt: skip
+    assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
+    _check_colocated_run(run_dir, 4, transport="cuda_ipc")

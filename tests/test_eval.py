@@ -376,6 +376,7 @@ class FakeEngine:
         import asyncio
 
         self.weight_version = version
+        self.asleep = False
         self.release = asyncio.Event()
         self.calls: list[tuple[str, int, float]] = []  # (kind, version at start, temperature)
 

@@ -122,7 +122,8 @@ def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
     args = {"dtype": "bfloat16", "max-model-len": MAX_LEN}
     if torch.cuda.is_available():  # eager: seconds to start instead of a minute of compiling and graph capture
         args.update(enforce_eager=True, gpu_memory_utilization=0.3)
-    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime")
+    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime",
+                            sleep_mode=True)  # fmt: skip
     eng._fetch_timeout_s = 3.0  # keeps the unreachable-publisher test short
     try:
         loop.run_until_complete(eng.start())
@@ -388,3 +389,52 @@ def test_without_partial_rollouts_an_update_waits_for_requests_in_flight(loop, e
         for s in samples:
             assert s.response_length == DRAINED and s.token_versions.tolist() == [old] * DRAINED
     assert after[0].token_versions.tolist() == [version] * 4
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_finishes_requests_holds_new_ones_and_wake_up_loads_the_next_version_first(
+    loop, engine, model_dir, publisher, level
+) -> None:
+    """Colocation's hand-over. Requests in flight finish (on the old version) before the engine sleeps;
+    one submitted while it sleeps samples nothing until the wake-up, then runs wholly on the version
+    the wake-up loaded (after a level-2 sleep into freshly allocated weights). On CUDA the weights come
+    from the publisher's GPU copy over CUDA IPC; the CPU build has no sleep mode (the scheduler stops,
+    nothing is freed) and fetches chunks."""
+    on_cuda = torch.cuda.is_available()
+
+    async def scenario():
+        old = engine.weight_version
+        running = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=48, ignore_eos=True)))
+        await until_started(engine, engine.progress, sequences=2)
+        await engine.sleep(level)
+        assert engine.asleep and running.done()
+        finished = running.result()
+        asleep_at = engine.progress
+        waiting = asyncio.create_task(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=8, seed=5)))
+        await asyncio.sleep(0.2)
+        sampled_while_asleep = engine.progress.tokens - asleep_at.tokens
+        weights = peaked_weights(model_dir, seed=40 + level)
+        version = next(_versions)
+        with WeightPublisher(cuda_ipc=on_cuda) as pub:
+            pub.publish(version, [(n, t.cuda()) for n, t in weights] if on_cuda else weights)
+            result = await engine.wake_up(version, pub.endpoint)
+            held = await waiting
+        return old, finished, sampled_while_asleep, version, weights, result, held
+
+    old, finished, sampled_while_asleep, version, weights, result, held = loop.run_until_complete(scenario())
+    assert not engine.asleep and engine.weight_version == version
+    assert all(s.response_length == 48 and set(s.token_versions.tolist()) == {old} for s in finished)
+    assert sampled_while_asleep == 0
+    assert result is not None and result.version == version
+    assert result.extra["transport"] == ("cuda_ipc" if on_cuda else "chunks")
+    for s in held:
+        assert s.token_versions.tolist() == [version] * s.response_length
+        assert_bf16_close(s.rollout_logprobs, reference_logprobs(model_dir, weights, PROMPT, s.response_tokens.tolist()))
+
+
+def test_an_engine_built_without_sleep_mode_refuses_to_sleep(model_dir) -> None:
+    from vime.rollout.base import EngineCannotSleep
+
+    plain = VllmRolloutEngine(str(model_dir))
+    with pytest.raises(EngineCannotSleep, match="without sleep_mode"):
+        asyncio.run(plain.sleep(1))

@@ -227,6 +227,7 @@ class FlakyEngine:
     def __init__(self, failures: int) -> None:
         self.failures = failures
         self.weight_version = 0
+        self.asleep = False
         self.calls: list[int] = []
 
     async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
@@ -242,7 +243,7 @@ def _worker(engine: FlakyEngine, monkeypatch: pytest.MonkeyPatch):  # type: igno
     from workers import rollout
 
     monkeypatch.setattr(rollout, "UPDATE_RETRY_S", 0.05)
-    cfg = SimpleNamespace(rollout_concurrency=1, heartbeat_interval_s=1.0)
+    cfg = SimpleNamespace(rollout_concurrency=1, heartbeat_interval_s=1.0, colocate=False)
     return rollout.RolloutWorker(cfg, engine, client=None)  # type: ignore[arg-type]
 
 

@@ -106,6 +106,26 @@ class VimeConfig(BaseModel):
     )  # fmt: skip
     update_weights_interval: int = Field(1, ge=1, description="publish weights every N training steps")
 
+    # --- colocation (docs/colocate.md) -------------------------------------------------------------
+    colocate: bool = Field(
+        False, description="trainer and rollout engines take turns on the same GPU: the engines sleep while the "
+        "trainer steps and wake on the new weights, handed over in GPU memory (one host)",
+    )  # fmt: skip
+    colocate_sleep_level: int = Field(
+        2, ge=1, le=2, description="vLLM sleep level while the trainer steps: 1 keeps the weights in host memory, "
+        "2 drops them (the hand-over refills them; faster, less host memory)",
+    )  # fmt: skip
+    colocate_address: str | None = Field(
+        None, description="where trainer rank 0 serves the turns (default ipc://RUN_DIR/colocate.sock)"
+    )
+    colocate_timeout_s: float = Field(
+        600.0, gt=0.0, description="longest wait for the engines to sleep (they finish requests in flight) or wake"
+    )
+    weight_cuda_ipc: Literal["auto", "on", "off"] = Field(
+        "auto", description="trainer keeps a GPU copy of each weight version that engines on its GPU map over "
+        "CUDA IPC instead of fetching chunks (auto: on with --colocate)",
+    )  # fmt: skip
+
     # --- dynamic sampling and evaluation (slime's flags; docs: README "Dynamic sampling and eval") -
     over_sampling_batch_size: int | None = Field(
         None, ge=1, description="prompts dispatched per step when a dynamic sampling filter drops groups "
@@ -268,6 +288,15 @@ class VimeConfig(BaseModel):
             recompute_num_layers=self.recompute_num_layers,
         )  # fmt: skip
 
+    def colocate_endpoint(self) -> str:
+        """The turn channel's endpoint (`colocate_address`, or an ipc socket in the run dir)."""
+        if self.colocate_address:
+            return self.colocate_address
+        return f"ipc://{(self.run_dir / 'colocate.sock').resolve()}"
+
+    def weight_cuda_ipc_on(self) -> bool:
+        return self.weight_cuda_ipc == "on" or (self.weight_cuda_ipc == "auto" and self.colocate)
+
     @model_validator(mode="after")
     def _check_megatron_layout(self) -> VimeConfig:
         if self.train_backend == "megatron":
@@ -275,6 +304,15 @@ class VimeConfig(BaseModel):
 
             te = importlib.util.find_spec("transformer_engine") is not None
             self.megatron_parallel().validate(self.trainer_world_size, have_transformer_engine=te)
+        return self
+
+    @model_validator(mode="after")
+    def _check_colocation(self) -> VimeConfig:
+        endpoint = self.colocate_endpoint()
+        # libzmq's ipc:// paths live in a sockaddr_un: 107 bytes at most.
+        if self.colocate and endpoint.startswith("ipc://") and len(endpoint.encode()) - len("ipc://") > 107:
+            raise ValueError(f"colocate: the turn socket {endpoint} is longer than an ipc path may be (107 bytes); "
+                             "use a shorter --run-dir or --colocate-address ipc:///tmp/NAME.sock")  # fmt: skip
         return self
 
     @model_validator(mode="after")

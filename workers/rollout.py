@@ -41,7 +41,8 @@ from vime.protocol.messages import (
     Shutdown,
     WeightVersionAnnounce,
 )
-from vime.rollout import GeneratedSample, SamplingConfig, WeightFetchFailed, build_engine
+from vime.colocate import ColocateClient
+from vime.rollout import GeneratedSample, SamplingConfig, WeightFetchFailed, WeightUpdateResult, build_engine
 from vime.security import Security
 
 log = get_logger("vime.worker.rollout")
@@ -94,6 +95,12 @@ class RolloutWorker:
         self._hold_token = 0
         self.fatal: BaseException | None = None
         self.update_failures = 0
+        # --colocate: the trainer puts the engine to sleep for its steps and wakes it on new weights.
+        self.colocate = (
+            ColocateClient(cfg.colocate_endpoint(), client.worker_id, security=Security.from_config(cfg),
+                           heartbeat_s=cfg.heartbeat_interval_s)
+            if cfg.colocate else None
+        )  # fmt: skip
 
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.engine.weight_version)
@@ -112,12 +119,15 @@ class RolloutWorker:
         await self.client.send(Credit(n=self.cfg.rollout_concurrency))
         updater = asyncio.create_task(self._update_loop())
         heartbeat = asyncio.create_task(self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, self._heartbeat))
+        turns = asyncio.create_task(self.colocate.run(self.engine, self._woke_up)) if self.colocate else None
         try:
             while True:
                 if heartbeat.done():
                     heartbeat.result()  # raises BrokerGone
                 if updater.done():
                     updater.result()  # a weight update failed: surface it
+                if turns is not None and turns.done():
+                    turns.result()  # the colocation channel broke: surface it
                 if self.fatal is not None:
                     # The engine failed mid-generation: exit so the group's lease is re-dispatched
                     # (by the launcher's teardown or the broker's timeout) instead of hanging forever.
@@ -140,7 +150,7 @@ class RolloutWorker:
                 else:
                     log.warning("unexpected_message", message=type(msg).__name__)
         finally:
-            for task in [updater, heartbeat, *self.tasks]:
+            for task in [updater, heartbeat, *([turns] if turns else []), *self.tasks]:
                 task.cancel()
 
     async def _rejoin(self) -> None:
@@ -180,6 +190,8 @@ class RolloutWorker:
             await self.unpinned.wait()  # an eval run holds the weights it measures
             if self.engine.weight_version >= self.target_version or self.endpoint is None:
                 continue
+            if self.engine.asleep:
+                continue  # colocated: the wake-up loads the newest weights (then _woke_up looks again)
             started = time.perf_counter()
             try:
                 result = await self.engine.update_weights(self.target_version, self.endpoint)
@@ -196,12 +208,7 @@ class RolloutWorker:
                 continue
             self.update_failures = 0
             seconds = time.perf_counter() - started
-            self.stats["update_s"] += seconds
-            self.stats["updates"] += 1
-            self.stats["fetch_s"] += result.fetch_s
-            self.stats["load_s"] += result.load_s
-            self.stats["paused_s"] += result.paused_s
-            self.stats["update_bytes"] += result.nbytes
+            self._count_update(result, seconds)
             bind_progress(weight_version=self.engine.weight_version)
             log.info(
                 "weights_loaded", version=result.version, requested=result.requested_version, seconds=round(seconds, 4),
@@ -210,6 +217,23 @@ class RolloutWorker:
             )
             async with self.version_changed:
                 self.version_changed.notify_all()
+
+    async def _woke_up(self, result: WeightUpdateResult | None) -> None:
+        """The colocated engine is awake (on the weights of `result`, if it loaded any)."""
+        if result is not None and not result.skipped:
+            self._count_update(result)
+        bind_progress(weight_version=self.engine.weight_version)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        self.update_wanted.set()  # an announcement that arrived while asleep may name a newer version
+
+    def _count_update(self, result: WeightUpdateResult, seconds: float | None = None) -> None:
+        self.stats["update_s"] += result.total_s if seconds is None else seconds
+        self.stats["updates"] += 1
+        self.stats["fetch_s"] += result.fetch_s
+        self.stats["load_s"] += result.load_s
+        self.stats["paused_s"] += result.paused_s
+        self.stats["update_bytes"] += result.nbytes
 
     async def _wait_for_version(self, version: int) -> None:
         async with self.version_changed:
@@ -253,6 +277,8 @@ class RolloutWorker:
 
     def _heartbeat(self) -> Heartbeat:
         self.stats["busy_s"] = self.busy.total()
+        if self.colocate is not None:
+            self.stats["asleep_s"] = self.colocate.asleep_s
         return Heartbeat(weight_version=self.engine.weight_version, in_flight=self.busy.in_flight, stats=dict(self.stats))
 
 
@@ -269,7 +295,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     os.environ.update(security.env())
     engine = build_engine(
         kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args,
-        capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout,
+        capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout, sleep_mode=cfg.colocate,
     )  # fmt: skip
     await engine.start()
     try:

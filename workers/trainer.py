@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from vime.broker.client import BrokerClient, BrokerGone
+from vime.colocate import ColocateServer
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.protocol.messages import (
@@ -221,6 +222,7 @@ class LeaderLoop:
         self.heartbeat: asyncio.Task[None] | None = None
         self.shutdown_received = False
         self.published_endpoint: str | None = None
+        self.colocate: ColocateServer | None = None  # --colocate: made in run(), inside the event loop
 
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.version)
@@ -235,6 +237,12 @@ class LeaderLoop:
         self.heartbeat = asyncio.create_task(
             self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(weight_version=self.version))
         )
+        if self.cfg.colocate:
+            self.colocate = ColocateServer(
+                self.cfg.colocate_endpoint(), security=Security.from_config(self.cfg), timeout_s=self.cfg.colocate_timeout_s,
+                engine_timeout_s=self.cfg.worker_timeout_s, sleep_level=self.cfg.colocate_sleep_level,
+            )  # fmt: skip
+            self.colocate.start()
         try:
             await self._publish(step=first_step - 1)  # tells the broker where the weight channel is
             last_step_end = time.perf_counter()
@@ -244,6 +252,8 @@ class LeaderLoop:
                 batch_msg = await self._request_batch(step)
                 wait_time = time.perf_counter() - wait_started
                 metrics = rollout_metrics(batch_msg.groups, batch_msg.stats)
+                if self.colocate is not None:
+                    metrics.update(await self._take_gpu(step, first=step == first_step))
                 train_started = time.perf_counter()
                 _command(COMMAND_TRAIN, step)
                 batch = broadcast_batch(groups_to_batch(batch_msg.groups), src=0)
@@ -262,6 +272,8 @@ class LeaderLoop:
                     self.version += 1
                     await self._publish(step)
                     sync_time = time.perf_counter() - sync_started
+                if self.colocate is not None:
+                    metrics.update(await self._give_gpu(step, published=sync_time > 0))
                 now = time.perf_counter()
                 step_time, last_step_end = now - last_step_end, now
                 metrics.update({
@@ -282,6 +294,26 @@ class LeaderLoop:
             return 0
         finally:
             self.heartbeat.cancel()
+            if self.colocate is not None:
+                await self.colocate.close()
+
+    async def _take_gpu(self, step: int, first: bool) -> dict[str, float]:
+        """Colocated: every engine asleep before the step trains (their memory is the trainer's now)."""
+        assert self.colocate is not None
+        if first:  # the batch came from them, so they are up; their join is at most a heartbeat away
+            await self.colocate.wait_for_engines(self.cfg.num_rollout_workers, self.cfg.colocate_timeout_s)
+        took = await self.colocate.take_gpu(step)
+        return {"perf/colocate_sleep_s": took.seconds}
+
+    async def _give_gpu(self, step: int, published: bool) -> dict[str, float]:
+        """Colocated: hand the GPU back; the engines wake on the version just published (if any)."""
+        assert self.colocate is not None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # cached activations would keep the engines' KV cache from fitting
+        version = self.version if published else None
+        gave = await self.colocate.give_gpu(step, version, self.published_endpoint if published else None)
+        return {"perf/colocate_wake_s": gave.seconds, "perf/colocate_weight_fetch_s": gave.fetch_s,
+                "perf/colocate_weight_load_s": gave.load_s, "perf/colocate_weight_bytes": float(gave.nbytes)}  # fmt: skip
 
     async def _next_message(self) -> Message | None:
         """The next message from the broker (None after a second of silence). Eval results are logged
@@ -394,7 +426,7 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
             return follower_loop(trainer, cfg, dtype)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         security = Security.from_config(cfg)
-        publisher = WeightPublisher(cfg.weight_bind, security=security)
+        publisher = WeightPublisher(cfg.weight_bind, security=security, cuda_ipc=cfg.weight_cuda_ipc_on())
         try:
             client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security)
         except BaseException:

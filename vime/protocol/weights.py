@@ -6,6 +6,7 @@ chunks. Conversation (fetcher DEALER -> publisher ROUTER, every request gets exa
     WeightFetch(min_version)          -> WeightManifest (latest version)  | WeightError("not_ready")
     WeightChunkRequest(version, i)    -> WeightChunk(version, i, data)    | WeightError("superseded", ...)
     WeightFetchDone(version)          -> WeightFetchAck
+    WeightIpcFetch(min_version, gpu)  -> WeightIpcManifest (latest, shared in GPU memory) | WeightError("not_local")
     anything malformed or unexpected  -> WeightError(<codec code> | "bad_request")
 
 Every request carries a `fetch_id` chosen by the fetcher and echoed in the reply, so a fetcher can
@@ -15,6 +16,11 @@ little next to the transfer itself); the fetcher refuses a manifest whose algori
 (a peer from another vime version gets a clear `invalid` error, never a wave of checksum mismatches),
 checks every chunk and re-requests a chunk that does not match. The checksum guards against corruption
 (a random change slips through with probability ~2^-64), not against a malicious publisher.
+
+`WeightIpcFetch` is the fast path on one GPU: a fetcher whose model lives on the very GPU where the
+publisher keeps a GPU copy of the snapshot gets a CUDA IPC handle to that copy instead of chunks (no
+bytes cross the host), and reports `WeightFetchDone` once it has copied out, which frees the copy for
+reuse. Anyone else is answered "not_local" and fetches chunks as usual.
 
 Tensors are described by their torch dtype name (bfloat16 has no numpy dtype, so the bytes travel as
 uint8 and are reinterpreted on arrival), shape, and byte range in the snapshot. Offsets are aligned
@@ -78,6 +84,7 @@ ERROR_SUPERSEDED = "superseded"  # the requested version was dropped for a newer
 ERROR_UNKNOWN_VERSION = "unknown_version"  # never published here (e.g. the publisher restarted)
 ERROR_BAD_REQUEST = "bad_request"  # well-formed but impossible (chunk index out of range, ...)
 ERROR_INTERNAL = "internal"  # a bug in the publisher; it logged the traceback and kept running
+ERROR_NOT_LOCAL = "not_local"  # no GPU copy on the fetcher's GPU: fetch chunks instead
 
 
 def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
@@ -225,6 +232,61 @@ class WeightFetchAck(Message, tag="weight_fetch_ack"):
     version: int
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True):
+    """What a process on the same GPU needs to map a CUDA allocation of another process (the fields of
+    torch's `UntypedStorage._share_cuda_()`), plus the GPU's UUID. Plain bytes and ints: no pickle."""
+
+    gpu_uuid: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+    def validate(self) -> None:
+        require(0 < len(self.gpu_uuid) <= 64, "gpu_uuid must be 1-64 chars")
+        require(0 < len(self.handle) <= 256 and len(self.ref_counter_handle) <= 256, "IPC handles of absurd size")
+        require(self.device >= 0 and self.storage_bytes >= 0 and self.storage_offset >= 0, "negative IPC field")
+
+
+class WeightIpcFetch(Message, tag="weight_ipc_fetch"):
+    """Fetcher -> publisher: share your latest version (>= min_version) if you hold it on GPU `gpu_uuid`."""
+
+    fetch_id: int
+    gpu_uuid: str
+    min_version: int = 0
+
+    def validate(self) -> None:
+        require(_valid_fetch_id(self.fetch_id), f"fetch_id {self.fetch_id} out of range")
+        require(self.min_version >= 0, f"min_version must be >= 0, got {self.min_version}")
+        require(0 < len(self.gpu_uuid) <= 64, "gpu_uuid must be 1-64 chars")
+
+
+class WeightIpcManifest(Message, tag="weight_ipc_manifest"):
+    """Publisher -> fetcher: version `version` lies in the GPU buffer behind `buffer`, laid out as `tensors`."""
+
+    fetch_id: int
+    version: int
+    total_bytes: int
+    tensors: list[TensorSpec]
+    buffer: CudaIpcHandle
+
+    def validate(self) -> None:
+        require(_valid_fetch_id(self.fetch_id), f"fetch_id {self.fetch_id} out of range")
+        require(self.version >= 0, f"version must be >= 0, got {self.version}")
+        require(0 <= self.total_bytes <= MAX_TOTAL_BYTES, f"total_bytes {self.total_bytes} out of range")
+        require(self.buffer.storage_bytes >= self.total_bytes, "the shared buffer is smaller than the snapshot")
+        self.buffer.validate()
+        names: set[str] = set()
+        for spec in self.tensors:
+            _validate_tensor(spec, self.total_bytes)
+            require(spec.name not in names, f"tensor {spec.name!r} appears twice")
+            names.add(spec.name)
+
+
 class WeightError(Message, tag="weight_error"):
     """Publisher -> fetcher: the request was refused. `fetch_id` is 0 when the request was unreadable."""
 
@@ -235,7 +297,9 @@ class WeightError(Message, tag="weight_error"):
 
 
 # What each side accepts; anything else is answered (publisher) or dropped (fetcher) as unexpected.
-PUBLISHER_ACCEPTS: tuple[type[Message], ...] = (WeightFetch, WeightChunkRequest, WeightFetchDone)
-FETCHER_ACCEPTS: tuple[type[Message], ...] = (WeightManifest, WeightChunk, WeightFetchAck, WeightError)
+PUBLISHER_ACCEPTS: tuple[type[Message], ...] = (WeightFetch, WeightChunkRequest, WeightFetchDone, WeightIpcFetch)
+FETCHER_ACCEPTS: tuple[type[Message], ...] = (
+    WeightManifest, WeightChunk, WeightFetchAck, WeightError, WeightIpcManifest,
+)  # fmt: skip
 # Requests are tiny; the publisher refuses anything bigger before decoding it.
 MAX_REQUEST_BYTES = 64 << 10

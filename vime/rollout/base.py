@@ -157,6 +157,10 @@ class WeightFetchFailed(WeightUpdateError):
     the weights it had, so the update can be retried."""
 
 
+class EngineCannotSleep(RuntimeError):
+    """This engine (or its build) cannot sleep, so it cannot share its device with a trainer."""
+
+
 class RolloutEngine(abc.ABC):
     """One inference engine hosted by a rollout worker. See the module docstring for the contract."""
 
@@ -206,6 +210,23 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The version new tokens are produced with."""
 
+    async def sleep(self, level: int) -> None:
+        """Give the device's memory to a colocated trainer: no step runs until `wake_up`. Level 1 keeps
+        the weights in host memory, level 2 drops them (the wake-up's weight update refills them).
+        New `generate` calls wait. Raises EngineCannotSleep for engines without a sleep mode."""
+        raise EngineCannotSleep(f"{type(self).__name__} has no sleep mode")
+
+    async def wake_up(self, version: int | None = None, endpoint: str | None = None) -> WeightUpdateResult | None:
+        """Undo `sleep`; with `version`, load weights >= it from `endpoint` before any token is produced.
+        Returns the update's result (None without `version`). Raises WeightUpdateError like
+        `update_weights`; the engine then stays asleep, so the caller can retry or give up."""
+        raise EngineCannotSleep(f"{type(self).__name__} has no sleep mode")
+
+    @property
+    def asleep(self) -> bool:
+        """Whether `sleep` is in effect."""
+        return False
+
     @abc.abstractmethod
     async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
         """Raw (temperature 1) logprob of each response token given the prompt and the response prefix,
@@ -242,6 +263,7 @@ def build_engine(
     *,
     capture_routing: bool = False,
     partial_rollout: bool = True,
+    sleep_mode: bool = False,
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -253,6 +275,8 @@ def build_engine(
     on CUDA only and raises RuntimeError when built without CUDA. `partial_rollout` (vLLM): generations in
     flight at a weight update continue under the new weights (True) or finish before it (False); the
     transformers engine always continues them under the new weights (it loads between two decode steps).
+    `sleep_mode` (colocation): the engine must be able to `sleep`; vLLM then reserves its memory so
+    that sleeping frees it (where the platform supports that; on CPU sleeping only stops the steps).
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -264,7 +288,7 @@ def build_engine(
 
         return VllmRolloutEngine(
             model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
-            capture_routing=capture_routing, partial_rollout=partial_rollout,
+            capture_routing=capture_routing, partial_rollout=partial_rollout, sleep_mode=sleep_mode,
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine

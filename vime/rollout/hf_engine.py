@@ -164,6 +164,7 @@ class HfRolloutEngine(RolloutEngine):
         # The pause gate: a step starts only with the lock held and `_paused` false.
         self._step_gate = threading.Condition(self._model_lock)
         self._paused = False
+        self._asleep = False
         self._progress_lock = threading.Lock()  # decode threads add to the counters concurrently
         self._sequences_started = 0
         self._tokens_sampled = 0
@@ -254,6 +255,30 @@ class HfRolloutEngine(RolloutEngine):
         self._paused = False
         await asyncio.to_thread(self._wake_steps)
         log.info("hf engine generation resumed", weight_version=self._version)
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    async def sleep(self, level: int) -> None:
+        """This engine's model lives in host memory, so sleeping frees nothing: it freezes generation
+        (requests keep their state and continue after `wake_up`, on the weights loaded by it)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            return
+        await self.pause_generation()
+        self._asleep = True
+
+    async def wake_up(self, version: int | None = None, endpoint: str | None = None) -> WeightUpdateResult | None:
+        if not self._asleep:
+            raise RuntimeError("wake_up on an engine that is not asleep")
+        result = None
+        if version is not None and version > self._version:
+            result = await self.update_weights(version, endpoint)  # raises: the engine stays asleep
+        self._asleep = False
+        await self.resume_generation()
+        return result
 
     def _wait_for_step_boundary(self) -> None:
         with self._model_lock:

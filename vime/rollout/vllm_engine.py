@@ -29,6 +29,7 @@ from vime.rollout.base import (
     GenerationProgress,
     RolloutEngine,
     SamplingConfig,
+    EngineCannotSleep,
     WeightFetchFailed,
     WeightUpdateError,
     WeightUpdateResult,
@@ -121,6 +122,7 @@ class VllmRolloutEngine(RolloutEngine):
         capture_routing: bool = False,
         partial_rollout: bool = True,
         version_source: VersionSource = "auto",
+        sleep_mode: bool = False,
     ) -> None:
         if version_source not in ("auto", "vllm", "vime"):
             raise ValueError(f"version_source must be auto, vllm or vime, got {version_source!r}")
@@ -143,6 +145,8 @@ class VllmRolloutEngine(RolloutEngine):
             if not torch.cuda.is_available():
                 raise RuntimeError(R3_CPU_ERROR)
         self._capture_routing = bool(capture_routing)
+        self._sleep_mode = bool(sleep_mode)
+        self._asleep_level = 0  # the level of the sleep in effect, 0 when awake
         self._moe_layers: list[int] = []
         self._num_experts = 0
         self._model_path = str(model_path)
@@ -196,6 +200,10 @@ class VllmRolloutEngine(RolloutEngine):
         ):
             args["gpu_memory_utilization"] = CPU_DEFAULT_MEMORY_FRACTION
         args.update(FORCED_ENGINE_ARGS)
+        if self._sleep_mode and current_platform.is_sleep_mode_available():
+            # vLLM's CuMem allocator, so that sleeping really frees the GPU memory (the CPU build has no
+            # sleep mode: there sleeping only stops the scheduler).
+            args["enable_sleep_mode"] = True
         if self._capture_routing:
             if current_platform.is_cpu():
                 raise RuntimeError(R3_CPU_ERROR)
@@ -525,7 +533,7 @@ class VllmRolloutEngine(RolloutEngine):
             nbytes=int(status["nbytes"]),
             fetch_s=fetch_s,
             total_s=time.perf_counter() - started,
-            extra={"worker_fetch_s": float(status["fetch_s"])},
+            extra={"worker_fetch_s": float(status["fetch_s"]), "transport": status["transport"]},
             **timings,
         )
         log.info(
@@ -539,6 +547,7 @@ class VllmRolloutEngine(RolloutEngine):
             resume_s=round(result.resume_s, 4),
             paused_s=round(result.paused_s, 4),
             total_s=round(result.total_s, 4),
+            transport=status["transport"],
         )
         return result
 
@@ -555,7 +564,8 @@ class VllmRolloutEngine(RolloutEngine):
             versions = {int(s["version"]) for s in statuses}
             if len(versions) == 1:
                 return {"version": versions.pop(), "nbytes": statuses[0]["nbytes"],
-                        "fetch_s": max(s["fetch_s"] for s in statuses)}
+                        "fetch_s": max(s["fetch_s"] for s in statuses),
+                        "transport": ",".join(sorted({str(s.get("transport", "chunks")) for s in statuses}))}
             min_version = max(versions)
         raise WeightFetchFailed(f"workers could not agree on a weight version from {endpoint}")
 
@@ -574,6 +584,75 @@ class VllmRolloutEngine(RolloutEngine):
                 raise WeightFetchFailed("weight fetch did not finish in time")
             await asyncio.sleep(delay)
             delay = min(delay * 2, _FETCH_POLL_S[1])
+
+    # --- colocation: sleep and wake ----------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep_level > 0
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep with mode "wait": requests in flight finish first (level 1 and 2 discard the KV
+        cache, so frozen requests could not continue), new ones wait in vime until `wake_up` and then
+        run on the weights it loads. See `RolloutEngine.sleep`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self._sleep_mode:
+            raise EngineCannotSleep("this engine was built without sleep_mode (colocation needs it)")
+        llm = self._running()
+        async with self._update_lock, self._pause_lock:
+            if self._asleep_level:
+                return
+            if self._user_paused:
+                raise RuntimeError("the engine is frozen by pause_generation; resume it before sleep")
+            started = time.perf_counter()
+            self._submit_open.clear()
+            try:
+                await self._registrations_done.wait()
+                await llm.sleep(level=level, mode="wait")
+            except BaseException:
+                self._submit_open.set()
+                raise
+            self._asleep_level = level
+        log.info("vllm engine asleep", level=level, seconds=round(time.perf_counter() - started, 4),
+                 weight_version=self._version)  # fmt: skip
+
+    async def wake_up(self, version: int | None = None, endpoint: str | None = None) -> WeightUpdateResult | None:
+        """Wake the weights, load the new version into them, then wake the KV cache and the scheduler,
+        so peak memory stays one model plus the fetch. After a level-2 sleep the weights are always
+        reloaded (the latest version >= the current one), since their memory was discarded."""
+        llm = self._running()
+        endpoint = endpoint or self._weight_endpoint
+        started = time.perf_counter()
+        async with self._update_lock, self._pause_lock:
+            if not self._asleep_level:
+                raise RuntimeError("wake_up on an engine that is not asleep")
+            reload = self._asleep_level == 2
+            wanted = max(version or 0, self._version if reload else 0)
+            load = version is not None and version > self._version or reload
+            if load and not endpoint:
+                raise ValueError("no weight endpoint: pass one or build the engine with weight_endpoint")
+            await llm.wake_up(tags=["weights"])
+            result = None
+            if load:
+                assert endpoint is not None
+                fetch_start = time.perf_counter()
+                status = await self._fetch_in_background(endpoint, wanted)
+                fetch_s = time.perf_counter() - fetch_start
+                load_start = time.perf_counter()
+                await self._load_into_workers(llm, allow_same_version=reload)
+                load_s = time.perf_counter() - load_start
+                result = WeightUpdateResult(
+                    version=self._version, requested_version=wanted, nbytes=int(status["nbytes"]), fetch_s=fetch_s,
+                    load_s=load_s, paused_s=0.0, total_s=time.perf_counter() - started,
+                    extra={"worker_fetch_s": float(status["fetch_s"]), "transport": status["transport"]},
+                )  # fmt: skip
+            await llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler
+            self._asleep_level = 0
+            self._submit_open.set()
+        log.info("vllm engine awake", seconds=round(time.perf_counter() - started, 4), weight_version=self._version,
+                 loaded=result is not None, transport=None if result is None else result.extra["transport"])  # fmt: skip
+        return result
 
     async def _apply_paused(self) -> dict[str, float]:
         async with self._pause_lock:
@@ -597,24 +676,8 @@ class VllmRolloutEngine(RolloutEngine):
                 await self._barrier.wait()  # every output made before the pause is counted
                 positions = output_positions(llm)
             t1 = time.perf_counter()
-            try:
-                results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
-            except Exception as exc:
-                raise WeightUpdateError(
-                    f"loading fetched weights into vLLM failed; the model may be partly updated, restart the "
-                    f"engine: {exc}"
-                ) from exc
+            await self._load_into_workers(llm, positions=positions)
             t2 = time.perf_counter()
-            loaded = {int(r["version"]) for r in results}
-            if len(loaded) != 1:
-                raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
-            new_version = loaded.pop()
-            if self._native_versions:
-                await llm.update_weight_version(str(new_version))
-            if self._ledger is not None and positions is not None:
-                in_flight = self._ledger.mark(new_version, positions)
-                log.debug("version boundary marked", weight_version=new_version, sequences_in_flight=in_flight)
-            self._version = new_version
         finally:
             # Never leave the engine paused by the update, whatever failed above; a user's freeze stays.
             if not user_paused:
@@ -624,6 +687,28 @@ class VllmRolloutEngine(RolloutEngine):
                 await llm.pause_generation(mode="keep", clear_cache=False)  # back from "wait" to a freeze
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}
+
+    async def _load_into_workers(self, llm: Any, positions: Any = None, allow_same_version: bool = False) -> None:
+        """Load the fetched version in every worker and make it the engine's version (vLLM's stamps,
+        vime's ledger at `positions`). Raises WeightUpdateError: the model may be partly updated."""
+        try:
+            results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
+        except Exception as exc:
+            raise WeightUpdateError(
+                f"loading fetched weights into vLLM failed; the model may be partly updated, restart the engine: {exc}"
+            ) from exc
+        loaded = {int(r["version"]) for r in results}
+        if len(loaded) != 1:
+            raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
+        new_version = loaded.pop()
+        if new_version == self._version and allow_same_version:
+            return  # a level-2 wake-up refilled the same version
+        if self._native_versions:
+            await llm.update_weight_version(str(new_version))
+        if self._ledger is not None:
+            in_flight = self._ledger.mark(new_version, positions if positions is not None else output_positions(llm))
+            log.debug("version boundary marked", weight_version=new_version, sequences_in_flight=in_flight)
+        self._version = new_version
 
     # --- helpers ------------------------------------------------------------------------------------
 

@@ -74,30 +74,46 @@ def refresh_tied_embeddings(model: Any) -> list[str]:
 
 
 class _VimeFetchJob:
-    """One background fetch: the thread, its result or error, and timings."""
+    """One background fetch: the thread, its result or error, and timings.
 
-    def __init__(self, endpoint: str, min_version: int, timeout_s: float) -> None:
+    With `gpu_uuid` (the worker's model is on that GPU) the fetch first tries the publisher's CUDA IPC
+    copy; such a result maps the publisher's memory until `close()`, which releases it."""
+
+    def __init__(self, endpoint: str, min_version: int, timeout_s: float, gpu_uuid: str | None = None) -> None:
         self.endpoint = endpoint
         self.min_version = min_version
         self.timeout_s = timeout_s
+        self.gpu_uuid = gpu_uuid
         self.result: Any = None  # FetchedWeights once done
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self._fetcher: Any = None
         self.thread = threading.Thread(target=self._run, name="vime-weight-fetch", daemon=True)
 
     def _run(self) -> None:
         from vime.weights.fetcher import WeightFetcher
 
         try:
-            fetcher = WeightFetcher(self.endpoint, timeout_s=self.timeout_s)
-            try:
-                self.result = fetcher.fetch(min_version=self.min_version)
-            finally:
-                fetcher.close()
+            self._fetcher = WeightFetcher(self.endpoint, timeout_s=self.timeout_s)
+            self.result = self._fetcher.fetch(min_version=self.min_version, gpu_uuid=self.gpu_uuid)
         except BaseException as exc:  # handed to the caller of vime_apply_fetched
             self.error = exc
         finally:
+            if self.result is None or self.result.transport != "cuda_ipc":
+                self._close_fetcher()  # chunks are ours now; a mapped copy waits for its release
             self.done.set()
+
+    def close(self) -> None:
+        """Drop the result (releasing a mapped copy: the publisher may then reuse it) and close the
+        socket. Idempotent; called once the thread is done."""
+        if self.result is not None:
+            self.result.release()
+        self._close_fetcher()
+
+    def _close_fetcher(self) -> None:
+        fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            fetcher.close()
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = {"done": self.done.is_set(), "min_version": self.min_version}
@@ -105,7 +121,8 @@ class _VimeFetchJob:
             if self.error is not None:
                 status["error"] = f"{type(self.error).__name__}: {self.error}"
             else:
-                status.update(version=self.result.version, nbytes=self.result.nbytes, fetch_s=self.result.seconds)
+                status.update(version=self.result.version, nbytes=self.result.nbytes, fetch_s=self.result.seconds,
+                              transport=self.result.transport)  # fmt: skip
         return status
 
 
@@ -134,7 +151,9 @@ class VimeWorkerExtension:
         job: _VimeFetchJob | None = getattr(self, "_vime_job", None)
         if job is not None and job.endpoint == endpoint and job.min_version >= min_version and job.error is None:
             return job.status()
-        job = _VimeFetchJob(endpoint, int(min_version), float(timeout_s))
+        if job is not None and job.done.is_set():
+            job.close()  # replaced unapplied: let go of a mapped copy
+        job = _VimeFetchJob(endpoint, int(min_version), float(timeout_s), self._vime_gpu_uuid())
         self._vime_job = job
         job.thread.start()
         return job.status()
@@ -159,10 +178,25 @@ class VimeWorkerExtension:
             raise RuntimeError(f"weight fetch from {job.endpoint} not finished after {wait_s:g} s")
         self._vime_job = None  # release the buffer after loading, whatever happens
         if job.error is not None:
+            job.close()
             raise RuntimeError(f"weight fetch from {job.endpoint} failed: {job.error}") from job.error
-        return self._vime_reload(job.result)
+        try:
+            return self._vime_reload(job.result)
+        finally:
+            job.close()
 
     # --- shared -------------------------------------------------------------------------------------
+
+    def _vime_gpu_uuid(self) -> str | None:
+        """This worker's GPU, offered to the publisher for the CUDA IPC path (None on CPU)."""
+        import torch
+
+        from vime.weights.cuda_ipc import gpu_uuid
+
+        device = getattr(self, "device", None)
+        if not isinstance(device, torch.device) or device.type != "cuda":
+            return None
+        return gpu_uuid(device)
 
     def _vime_reload(self, fetched: Any) -> dict[str, Any]:
         start = time.perf_counter()
@@ -181,4 +215,4 @@ class VimeWorkerExtension:
             refreshed=refreshed,
         )
         return {"version": int(fetched.version), "nbytes": int(fetched.nbytes), "fetch_s": float(fetched.seconds),
-                "load_s": load_s}
+                "load_s": load_s, "transport": fetched.transport}

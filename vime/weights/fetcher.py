@@ -19,6 +19,12 @@ change. The rule for callers: don't keep a raw address of a returned tensor (`da
 a pinned-memory alias registered elsewhere) past dropping the tensor itself. The cost: the fetcher
 holds one snapshot's worth of host memory between fetches until `close()`.
 
+On one GPU: `fetch(min_version, gpu_uuid=...)` first asks the publisher to share its GPU copy of the
+version over CUDA IPC (`vime.weights.cuda_ipc`). If the publisher holds one on that GPU, the returned
+tensors are CUDA views of the publisher's memory (nothing crosses the host) and the caller must call
+`FetchedWeights.release()` once it has copied them out: the publisher reuses that memory afterwards.
+Otherwise ("not_local", or this process cannot map it) the fetch goes on with chunks as above.
+
 It is built to run inside a vLLM worker process: it has its own ZeroMQ context, needs only pyzmq,
 msgspec, numpy, xxhash and torch, and takes nothing but an endpoint string to construct.
 
@@ -54,7 +60,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,10 +70,12 @@ from vime.logging import get_logger
 from vime.protocol.codec import DEFAULT_MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
 from vime.security import ClientGuard, Security
 from vime.protocol.weights import (
+    ERROR_NOT_LOCAL,
     ERROR_NOT_READY,
     ERROR_SUPERSEDED,
     ERROR_UNKNOWN_VERSION,
     FETCHER_ACCEPTS,
+    TensorSpec,
     MAX_CHUNK_BYTES,
     MAX_FETCH_ID,
     WeightChunk,
@@ -76,6 +84,8 @@ from vime.protocol.weights import (
     WeightFetch,
     WeightFetchAck,
     WeightFetchDone,
+    WeightIpcFetch,
+    WeightIpcManifest,
     WeightManifest,
     chunk_checksum,
     chunk_span,
@@ -109,16 +119,27 @@ class _Restart(Exception):
 
 @dataclass
 class FetchedWeights:
-    """One verified weight version. `tensors` are CPU views of a single buffer of `nbytes` bytes.
+    """One verified weight version. `tensors` are views of a single buffer of `nbytes` bytes: CPU
+    memory of this process (transport "chunks"), or the publisher's GPU memory (transport "cuda_ipc").
 
-    With `WeightFetcher(reuse_buffer=True)` that buffer is recycled by a later fetch once none of these
-    tensors (nor any view of them) is referenced any more; see the module docstring.
+    With `WeightFetcher(reuse_buffer=True)` a chunks buffer is recycled by a later fetch once none of
+    these tensors (nor any view of them) is referenced any more; see the module docstring. A cuda_ipc
+    fetch must be `release()`d once its tensors are copied out.
     """
 
     version: int
     tensors: list[tuple[str, torch.Tensor]]
     nbytes: int
     seconds: float
+    transport: str = "chunks"
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Drop the tensors; for cuda_ipc, tell the publisher its GPU copy may be reused. Idempotent."""
+        self.tensors = []
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class WeightFetcher:
@@ -173,14 +194,19 @@ class WeightFetcher:
     def endpoint(self) -> str:
         return self._endpoint
 
-    def fetch(self, min_version: int = 0) -> FetchedWeights:
-        """Block until the publisher's latest version (>= min_version) is here, verified; return it."""
+    def fetch(self, min_version: int = 0, gpu_uuid: str | None = None) -> FetchedWeights:
+        """Block until the publisher's latest version (>= min_version) is here, verified; return it.
+        With `gpu_uuid` (this process's GPU) try the CUDA IPC path first (module docstring)."""
         if self._closed:
             raise WeightFetchError("fetch on a closed WeightFetcher")
         if min_version < 0:
             raise ValueError(f"min_version must be >= 0, got {min_version}")
         start = time.perf_counter()
         self._disconnects_at_start = self._guard.disconnects
+        if gpu_uuid is not None:
+            shared = self._fetch_shared(min_version, gpu_uuid, start)
+            if shared is not None:
+                return shared
         for attempt in range(MAX_RESTARTS + 1):
             fetch_id = secrets.randbelow(MAX_FETCH_ID) + 1
             manifest = self._manifest(fetch_id, min_version)
@@ -221,6 +247,40 @@ class WeightFetcher:
         self.close()
 
     # --- steps of a fetch ----------------------------------------------------------------------
+
+    def _fetch_shared(self, min_version: int, gpu_uuid: str, start: float) -> FetchedWeights | None:
+        """The CUDA IPC path: the version as views of the publisher's GPU copy, or None to fetch chunks."""
+        from vime.weights.cuda_ipc import CudaIpcUnavailable, open_shared
+
+        fetch_id = secrets.randbelow(MAX_FETCH_ID) + 1
+        deadline = time.monotonic() + self._timeout_s
+        self._send(WeightIpcFetch(fetch_id=fetch_id, gpu_uuid=gpu_uuid, min_version=min_version), deadline)
+        reply = self._recv(fetch_id, deadline, waiting_for="a shared-memory manifest")
+        if isinstance(reply, WeightError) and reply.code in (ERROR_NOT_LOCAL, ERROR_NOT_READY):
+            log.debug("weights not shared on this GPU; fetching chunks", endpoint=self._endpoint, reason=reply.detail)
+            return None  # not_ready: the chunk path waits for the version with its own backoff
+        if not isinstance(reply, WeightIpcManifest):
+            raise self._refused(reply, "a shared-memory manifest")
+        manifest = reply
+        done = WeightFetchDone(fetch_id=fetch_id, version=manifest.version, nbytes=manifest.total_bytes, seconds=0.0)
+
+        def release() -> None:
+            try:
+                self._send(done, time.monotonic() + min(_ACK_WAIT_S, self._timeout_s))
+            except WeightFetchError as exc:  # the publisher forgets stalled readers on its own
+                log.warning("shared weights not released", version=manifest.version, error=str(exc))
+
+        try:
+            buffer = open_shared(manifest.buffer)
+        except CudaIpcUnavailable as exc:
+            release()
+            log.info("cannot map the publisher's GPU copy; fetching chunks", endpoint=self._endpoint, reason=str(exc))
+            return None
+        seconds = time.perf_counter() - start
+        log.info("weights mapped", version=manifest.version, nbytes=manifest.total_bytes, seconds=round(seconds, 4),
+                 endpoint=self._endpoint)  # fmt: skip
+        tensors = _tensors_from(buffer, manifest.tensors)
+        return FetchedWeights(manifest.version, tensors, manifest.total_bytes, seconds, "cuda_ipc", release)
 
     def _manifest(self, fetch_id: int, min_version: int) -> WeightManifest:
         """Ask for the latest manifest until one >= min_version exists or timeout_s has passed."""
@@ -299,7 +359,7 @@ class WeightFetcher:
             done += 1
             if self._after_chunk is not None:
                 self._after_chunk(index)
-        return _tensors_from(buffer, manifest)
+        return _tensors_from(torch.from_numpy(buffer), manifest.tensors)
 
     def _receive_buffer(self, total: int) -> np.ndarray:
         """A buffer of `total` bytes for the next fetch: the kept one if reuse is on and it is free."""
@@ -400,11 +460,10 @@ class WeightFetcher:
         return WeightFetchError(f"publisher at {self._endpoint} answered {type(reply).__name__} to {what}")
 
 
-def _tensors_from(buffer: np.ndarray, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
-    """Views of `buffer` as the manifest's tensors (offsets are aligned, so `.view(dtype)` is legal)."""
-    base = torch.from_numpy(buffer)
+def _tensors_from(base: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Views of the uint8 `base` as the manifest's tensors (offsets are aligned: `.view(dtype)` is legal)."""
     out: list[tuple[str, torch.Tensor]] = []
-    for spec in manifest.tensors:
+    for spec in specs:
         raw = base[spec.offset : spec.offset + spec.nbytes]
         tensor = raw.view(getattr(torch, spec.dtype)).reshape(spec.shape)
         out.append((spec.name, tensor))

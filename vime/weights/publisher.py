@@ -15,6 +15,11 @@ is reused for the new one when the size matches and ZeroMQ has finished sending 
 from it (chunk sends are tracked); otherwise it is freed once those sends complete and a fresh buffer
 is allocated. Reuse matters: writing into fresh memory page-faults, and publish blocks the trainer.
 
+GPU copy (`cuda_ipc=True`, CUDA tensors): each snapshot is also copied into one GPU buffer that fetchers
+on the same GPU map over CUDA IPC (`WeightIpcFetch`; docs/colocate.md) instead of pulling chunks. The
+buffer is reused for a later version only once every reader has reported done (or was given up as
+stalled); otherwise a new one is allocated and torch keeps the old one alive while it is mapped.
+
 Failure modes: `publish` raises ValueError for a non-increasing version, a duplicate or empty name or an
 unsupported dtype, before anything changes. The server thread never dies on input: malformed or
 unexpected requests get a `WeightError` reply and a log line; a bug while handling a request is logged
@@ -46,6 +51,7 @@ import torch
 import zmq
 
 from vime.logging import get_logger
+from vime.weights import cuda_ipc
 from vime.protocol.codec import Message, ProtocolError, decode, encode
 from vime.security import Security, ServerGuard, peer_of
 from vime.protocol.weights import (
@@ -53,6 +59,7 @@ from vime.protocol.weights import (
     DEFAULT_CHUNK_BYTES,
     ERROR_BAD_REQUEST,
     ERROR_INTERNAL,
+    ERROR_NOT_LOCAL,
     ERROR_NOT_READY,
     ERROR_SUPERSEDED,
     ERROR_UNKNOWN_VERSION,
@@ -66,9 +73,12 @@ from vime.protocol.weights import (
     WeightChunk,
     WeightChunkRequest,
     WeightError,
+    CudaIpcHandle,
     WeightFetch,
     WeightFetchAck,
     WeightFetchDone,
+    WeightIpcFetch,
+    WeightIpcManifest,
     WeightManifest,
     chunk_checksum,
     chunk_count,
@@ -131,6 +141,11 @@ class _Snapshot:
     chunk_bytes: int
     tensors: list[TensorSpec]
     chunk_checksums: list[int]
+    # The same bytes in GPU memory, shared over CUDA IPC with fetchers on that GPU (cuda_ipc=True and
+    # CUDA tensors only). Not rewritten while `ipc_readers` (peer, fetch_id) have not reported done.
+    gpu: torch.Tensor | None = None
+    gpu_handle: CudaIpcHandle | None = None
+    ipc_readers: set[tuple[bytes, int]] = field(default_factory=set)
     # Trackers of zero-copy chunk sends from `buffer` (appended by the server thread under the
     # publisher's lock). The buffer may be rewritten only when all are done.
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
@@ -150,6 +165,13 @@ class _Snapshot:
             checksum=CHECKSUM_ALGORITHM,
             chunk_checksums=self.chunk_checksums,
         )
+
+    def ipc_manifest(self, fetch_id: int) -> WeightIpcManifest:
+        assert self.gpu_handle is not None
+        return WeightIpcManifest(
+            fetch_id=fetch_id, version=self.version, total_bytes=int(self.buffer.size), tensors=self.tensors,
+            buffer=self.gpu_handle,
+        )  # fmt: skip
 
     def chunk(self, index: int) -> np.ndarray:
         start, end = chunk_span(index, int(self.buffer.size), self.chunk_bytes)
@@ -179,6 +201,7 @@ class WeightPublisher:
         keep: int = 2,
         security: Security | None = None,
         stall_timeout_s: float = 60.0,
+        cuda_ipc: bool = False,
     ) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
@@ -187,6 +210,7 @@ class WeightPublisher:
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self._stall_timeout_s = float(stall_timeout_s)
+        self._cuda_ipc = bool(cuda_ipc)
         self._fetches: dict[tuple[bytes, int], _Fetch] = {}  # (peer identity, fetch_id); server thread only
         self.stalled_fetches = 0  # fetches given up for silence (read from any thread)
         self._chunk_bytes = chunk_bytes
@@ -276,6 +300,7 @@ class WeightPublisher:
                 while len(self._snapshots) >= self._keep:
                     dropped.append(self._snapshots.pop(min(self._snapshots)))
             buffer = self._reusable_buffer(dropped, total)
+            gpu_buffer = self._gpu_buffer(items, dropped, total)
             del dropped
 
             copy_start = time.perf_counter()
@@ -288,6 +313,12 @@ class WeightPublisher:
                     host[spec.offset : spec.offset + spec.nbytes].copy_(src)
                 cursor = max(cursor, spec.offset + spec.nbytes)
             host[cursor:].zero_()
+            gpu_handle = None
+            if gpu_buffer is not None:
+                for (_, tensor), spec in zip(items, specs):
+                    if spec.nbytes:
+                        gpu_buffer[spec.offset : spec.offset + spec.nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+                gpu_handle = cuda_ipc.share(gpu_buffer)
             copy_seconds = time.perf_counter() - copy_start
 
             checksum_start = time.perf_counter()
@@ -297,7 +328,7 @@ class WeightPublisher:
             ]
             checksum_seconds = time.perf_counter() - checksum_start
 
-            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, checksums)
+            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, checksums, gpu_buffer, gpu_handle)
             with self._lock:
                 self._snapshots[version] = snapshot
                 self._latest = version
@@ -329,6 +360,22 @@ class WeightPublisher:
                 return old.buffer
         # Dropped buffers still being sent stay alive (pyzmq holds them) until their sends finish.
         return np.empty(total, dtype=np.uint8)
+
+    def _gpu_buffer(self, items: list[tuple[str, torch.Tensor]], dropped: list[_Snapshot], total: int) -> torch.Tensor | None:
+        """Where the GPU copy of a new snapshot goes: None unless cuda_ipc is on and every tensor lives on
+        one CUDA device; a dropped snapshot's copy if its size matches and no reader still maps it."""
+        if not self._cuda_ipc or not items or total == 0:
+            return None
+        devices = {t.device for _, t in items}
+        device = next(iter(devices))
+        if len(devices) != 1 or device.type != "cuda":
+            return None
+        with self._lock:  # the server thread edits ipc_readers under this lock
+            for old in dropped:
+                if old.gpu is not None and old.gpu.numel() == total and old.gpu.device == device and not old.ipc_readers:
+                    return old.gpu
+        # A copy still mapped by a reader stays allocated (torch's IPC refcount) until it lets go.
+        return torch.empty(total, dtype=torch.uint8, device=device)
 
     @staticmethod
     def _layout(items: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
@@ -436,8 +483,12 @@ class WeightPublisher:
             else:
                 if isinstance(request, WeightFetchDone):
                     self._fetches.pop((identity, fetch_id), None)
-                reply = self._answer(request)
-                if isinstance(reply, WeightManifest):
+                    self._release_ipc_reader((identity, fetch_id))
+                if isinstance(request, WeightIpcFetch):
+                    reply = self._answer_ipc(identity, request)
+                else:
+                    reply = self._answer(request)
+                if isinstance(reply, (WeightManifest, WeightIpcManifest)):
                     self._start_tracking((identity, fetch_id), reply.version, peer_of(frames[-1]), time.monotonic())
         except ProtocolError as exc:
             log.warning("bad weight request", peer=peer_of(frames[-1]), identity=identity.hex(), code=exc.code,
@@ -482,6 +533,7 @@ class WeightPublisher:
         stalled = [(k, f) for k, f in self._fetches.items() if now - f.last_seen > self._stall_timeout_s]
         for key, fetch in stalled:
             del self._fetches[key]
+            self._release_ipc_reader(key)
             self.stalled_fetches += 1
             log.error(
                 "weight fetch stalled",
@@ -524,6 +576,27 @@ class WeightPublisher:
             data = self._chunk_filter(request.version, request.index, data)
         chunk = WeightChunk(fetch_id=request.fetch_id, version=request.version, index=request.index, data=data)
         return chunk, snapshot
+
+    def _answer_ipc(self, identity: bytes, request: WeightIpcFetch) -> Message:
+        """Share the latest version's GPU copy with a fetcher on that GPU; else "not_local" (it then
+        fetches chunks) or "not_ready". The fetcher is a reader until it reports done (or stalls)."""
+        with self._lock:
+            latest = self._latest
+            snapshot = self._snapshots.get(latest) if latest is not None else None
+            if latest is None or snapshot is None or latest < request.min_version:
+                return WeightError(code=ERROR_NOT_READY, detail=f"latest version is {latest}, asked for >= {request.min_version}",
+                                   fetch_id=request.fetch_id, latest_version=latest)  # fmt: skip
+            if snapshot.gpu_handle is None or snapshot.gpu_handle.gpu_uuid != request.gpu_uuid:
+                held = "no GPU copy" if snapshot.gpu_handle is None else f"a copy on GPU {snapshot.gpu_handle.gpu_uuid}"
+                return WeightError(code=ERROR_NOT_LOCAL, detail=f"version {latest}: this publisher holds {held}",
+                                   fetch_id=request.fetch_id, latest_version=latest)  # fmt: skip
+            snapshot.ipc_readers.add((identity, request.fetch_id))
+            return snapshot.ipc_manifest(request.fetch_id)
+
+    def _release_ipc_reader(self, key: tuple[bytes, int]) -> None:
+        with self._lock:
+            for snapshot in self._snapshots.values():
+                snapshot.ipc_readers.discard(key)
 
     def _answer(self, request: Message) -> Message:
         """The reply to a manifest request or a done report."""
