@@ -29,7 +29,7 @@ PY
 for part in "${@:-tests}"; do
   case "$part" in
   tests)
-    timeout 540 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_vllm_versions.py \
+    timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_vllm_versions.py \
       tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py tests/test_colocate.py \
       "tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks" \
       "tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc" \

@@ -174,7 +174,8 @@ def _receive_command() -> tuple[int, int]:
 def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> tuple[int, float]:
     """All ranks export (sharded models gather); rank 0 publishes. Returns (bytes, seconds) on rank 0."""
     started = time.perf_counter()
-    tensors = list(trainer.export_weights(dtype=dtype))
+    # A publisher that shares a GPU copy (CUDA IPC) takes the tensors where they are: no host round trip.
+    tensors = list(trainer.export_weights(dtype=dtype, on_device=publisher is not None and publisher.cuda_ipc))
     if publisher is None:
         return 0, 0.0
     stats = publisher.publish(version, tensors)

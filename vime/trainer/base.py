@@ -63,8 +63,9 @@ class PolicyTrainer:
     ) -> dict[str, float]:  # fmt: skip
         raise NotImplementedError
 
-    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
-        """(HF checkpoint name, CPU tensor) on global rank 0; every rank iterates (collectives)."""
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16, on_device: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(HF checkpoint name, CPU tensor) on global rank 0; every rank iterates (collectives).
+        `on_device`: leave the tensors on the trainer's device (a publisher shares them there)."""
         raise NotImplementedError
 
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

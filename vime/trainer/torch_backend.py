@@ -479,7 +479,7 @@ class TorchTrainer(PolicyTrainer):
 
     # -------------------------------------------------------------------------------- weights
 
-    def _full_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    def _full_tensors(self, dtype: torch.dtype | None, on_device: bool = False) -> Iterator[tuple[str, Tensor]]:
         """(model parameter name, full CPU tensor) on rank 0; FSDP2 shards are gathered on every rank.
 
         Tied parameters appear once (named_parameters de-duplicates), under the name registered first
@@ -498,10 +498,11 @@ class TorchTrainer(PolicyTrainer):
                 continue
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            yield name, tensor.to("cpu").contiguous()
+            yield name, (tensor if on_device else tensor.to("cpu")).contiguous()
 
-    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
-        """Yield (HF checkpoint name, contiguous CPU tensor) for every weight, on rank 0.
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16, on_device: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Yield (HF checkpoint name, contiguous CPU tensor) for every weight, on rank 0; with
+        `on_device` the tensors stay on the trainer's device (for a publisher that shares them there).
 
         Names and shapes are those of the checkpoint files (e.g. Qwen3-MoE experts as
         `model.layers.0.mlp.experts.3.gate_proj.weight`, undoing transformers' in-memory fusing), which
@@ -511,7 +512,7 @@ class TorchTrainer(PolicyTrainer):
         """
         from transformers.core_model_loading import revert_weight_conversion
 
-        for name, tensor in self._full_tensors(dtype):
+        for name, tensor in self._full_tensors(dtype, on_device):
             # one tensor at a time keeps peak memory at one parameter; the supported families' reverse
             # conversions are all one-to-many (split fused experts), so this is exact
             for ckpt_name, ckpt_tensor in revert_weight_conversion(self.hf_model, {name: tensor}).items():

@@ -27,7 +27,12 @@ def gpu_uuid(device: torch.device | int | None = None) -> str | None:
     """The UUID of a CUDA device (the current one by default), or None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    else:
+        index = int(device)
     return str(torch.cuda.get_device_properties(index).uuid)
 
 

@@ -266,6 +266,11 @@ class WeightPublisher:
         return self._endpoint
 
     @property
+    def cuda_ipc(self) -> bool:
+        """Whether publishes of CUDA tensors also keep a GPU copy for fetchers on that GPU."""
+        return self._cuda_ipc
+
+    @property
     def latest_version(self) -> int | None:
         """The newest published version, or None before the first publish."""
         return self._latest

@@ -461,10 +461,10 @@ class MegatronTrainer(PolicyTrainer):
 
     # -------------------------------------------------------------------------------- weights
 
-    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, Tensor]]:
-        """Yield (HF checkpoint name, contiguous CPU tensor) on global rank 0; every rank must iterate
-        (TP/EP gathers and pipeline hand-offs are collectives)."""
-        yield from export_hf_weights(self.model, self.layout, dtype, self.device)
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16, on_device: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Yield (HF checkpoint name, contiguous CPU tensor, or GPU tensor with `on_device`) on global
+        rank 0; every rank must iterate (TP/EP gathers and pipeline hand-offs are collectives)."""
+        yield from export_hf_weights(self.model, self.layout, dtype, self.device, on_device)
 
     def _layout_key(self) -> dict[str, int]:
         return {

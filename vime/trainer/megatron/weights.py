@@ -178,9 +178,10 @@ def _recv_name(src: int, group: object, device: torch.device) -> str:
 
 @torch.no_grad()
 def export_hf_weights(
-    model: nn.Module, layout: ModelLayout, dtype: torch.dtype, device: torch.device
+    model: nn.Module, layout: ModelLayout, dtype: torch.dtype, device: torch.device, on_device: bool = False
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield (HF checkpoint name, contiguous CPU tensor in `dtype`) on global rank 0; collective.
+    `on_device` leaves the tensors on the GPU, for a publisher that shares them there.
 
     Pipeline stages s > 0 send their tensors to stage 0 over the pipeline group of the ranks with
     TP/DP/CP rank 0 (the group global rank 0 is in), in stage order: first a count, then per tensor its
@@ -192,7 +193,7 @@ def export_hf_weights(
         for name, full in _stage_tensors(model, layout):
             if is_root:
                 for hf_name, t in megatron_to_hf(name, full.to(dtype), layout):
-                    yield hf_name, t.cpu().contiguous()
+                    yield hf_name, (t if on_device else t.cpu()).contiguous()
         return
     stage, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
@@ -213,7 +214,7 @@ def export_hf_weights(
                     dist.broadcast(full.to(device).contiguous(), src=src, group=group)  # type: ignore[arg-type]
                 if is_root:
                     for hf_name, t in megatron_to_hf(name, full, layout):
-                        yield hf_name, t.cpu().contiguous()
+                        yield hf_name, (t if on_device else t.cpu()).contiguous()
         elif in_root_group and s > 0:  # stage 0's tensors are already on global rank 0: nothing to receive
             count = torch.zeros(1, dtype=torch.int64, device=device)
             dist.broadcast(count, src=src, group=group)  # type: ignore[arg-type]
@@ -227,4 +228,4 @@ def export_hf_weights(
                 dist.broadcast(data, src=src, group=group)  # type: ignore[arg-type]
                 if is_root:
                     for hf_name, t in megatron_to_hf(name, data, layout):
-                        yield hf_name, t.cpu().contiguous()
+                        yield hf_name, (t if on_device else t.cpu()).contiguous()
