@@ -3,7 +3,7 @@
 # 10-minute limit allows. vLLM 0.26.0 (the CUDA build that matches torch 2.11) must be installed in
 # /tmp/vllm-site first: `../shared/gpu/prepare-vllm-cuda.sh` prepares it (three runs; see its header).
 #   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped
-#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate)
+#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate; one per run)
 #   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
@@ -47,7 +47,7 @@ for part in "${@:-tests}"; do
         colocate) extra=(--train-backend torch --make-demo-model --colocate) ;;
         *) echo "unknown layout $layout"; status=2; continue ;;
       esac
-      timeout "${VIME_GPU_RUN_S:-280}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
+      timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
         --num-rollout "${VIME_GPU_STEPS:-300}" --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-demo-model \
         --vllm-gpu-memory-utilization 0.3 --no-progress --broker-address "tcp://127.0.0.1:$(free_port)" \
         --min-reward-gain "${VIME_GPU_MIN_GAIN:-0.3}" "${extra[@]}" 2>&1 | tail -n 25 | tee "$out/pipeline_$layout.log" || status=1

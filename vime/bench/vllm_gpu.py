@@ -99,6 +99,14 @@ async def vime_engine(model: Path, args: argparse.Namespace) -> dict[str, float]
             "version_source": engine.version_source}  # fmt: skip
 
 
+def emit_row(row: dict[str, Any], out: Path | None) -> None:
+    """One JSON line on stdout and, with `out`, appended to that file."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.6b")
@@ -120,10 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"bench": "vllm_gpu", "size": size, "prompts": args.prompts, "n": args.n,
                    "prompt_len": args.prompt_len, "response_len": args.response_len,
                    "vllm": bare, "vime_engine": ours, "ratio": ours["tokens_per_s"] / bare["tokens_per_s"]}  # fmt: skip
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit_row(row, args.out)
 
 
 if __name__ == "__main__":

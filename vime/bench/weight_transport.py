@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vime.bench.vllm_gpu import qwen3_config_dir
+from vime.bench.vllm_gpu import emit_row, qwen3_config_dir
 
 
 def raw_copy_gbps(nbytes: int, device: torch.device) -> dict[str, float]:
@@ -148,11 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            row = asyncio.run(measure(size, qwen3_config_dir(size, Path(tmp), 1024), args))
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit_row(asyncio.run(measure(size, qwen3_config_dir(size, Path(tmp), 1024), args)), args.out)
 
 
 if __name__ == "__main__":
