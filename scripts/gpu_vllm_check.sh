@@ -7,6 +7,7 @@
 #   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
+#   bash scripts/gpu_vllm_check.sh r3         # vime bench r3 through vLLM's routed experts, deeper MoE
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,11 +74,22 @@ for part in "${@:-tests}"; do
   bench)
     timeout 560 python3 -m vime.bench.vllm_gpu --out "$out/vllm_gpu.jsonl" 2>&1 | tee "$out/bench.log" || status=1
     ;;
+  r3)
+    # R3 through vLLM's routed experts on a deeper MoE (the Qwen3-30B-A3B layer shape, 4 layers), the
+    # trainer on the GPU; then the bench's own bf16 transformers rollout on the same model, for the abs-diff cut.
+    for engine in vllm builtin; do
+      timeout 280 python3 -m vime.cli bench r3 --json --rollout-engine "$engine" --device cuda --num-layers 4 \
+        --hidden-size 2048 --num-heads 32 --num-kv-heads 4 --head-dim 128 --num-experts 128 --top-k 8 \
+        --moe-intermediate-size 768 --sft-steps "${VIME_GPU_R3_SFT:-100}" --threads 8 > "$out/r3_$engine.json" \
+        2> "$out/r3_$engine.log" || status=1
+      cat "$out/r3_$engine.json"
+    done
+    ;;
   transport)
     timeout 560 python3 -m vime.bench.weight_transport --sizes "${VIME_GPU_TRANSPORT_SIZES:-0.6b,1.7b,4b}" \
       --out "$out/weight_transport.jsonl" 2>&1 | tee "$out/transport.log" | grep '^{"bench"' || status=1
     ;;
-  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport)"; status=2 ;;
+  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport, r3)"; status=2 ;;
   esac
 done
 exit "$status"

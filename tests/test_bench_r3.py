@@ -32,3 +32,25 @@ def test_bench_unknown_name():
     from vime.cli import _cmd_bench
 
     assert _cmd_bench(["nope"]) == 2
+
+
+def test_bench_r3_through_a_rollout_engine(capsys):
+    """`--rollout-engine hf`: the samples and their traces come from vime's transformers engine (its own
+    routing capture, one request per prompt as a rollout worker sends it); replaying them gives the
+    trainer the engine's routes exactly. On CUDA the same path runs with `--rollout-engine vllm`."""
+    from vime.cli import _cmd_bench
+
+    rc = _cmd_bench(["r3", "--json", "--rollout-engine", "hf", "--top-k", "1", "--sft-steps", "30", "--prompts", "8",
+                     "--samples-per-prompt", "4", "--max-new-tokens", "8", "--threads", "1"])  # fmt: skip
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rollout_engine"] == "hf" and result["samples"] == 32
+    assert result["routing_agreement_r3"] == 1.0
+    assert result["routing_agreement_unreplayed"] == result["routing_agreement_no_r3"]
+
+
+def test_bench_r3_refuses_an_unknown_engine():
+    from vime.bench.r3 import R3BenchConfig, run_r3_bench
+
+    with pytest.raises(ValueError, match="builtin, hf or vllm"):
+        run_r3_bench(R3BenchConfig(rollout_engine="sglang"))
