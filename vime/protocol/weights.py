@@ -153,15 +153,19 @@ class WeightManifest(Message, tag="weight_manifest"):
             f"{len(self.chunk_checksums)} checksums for {expected_chunks} chunks",
         )
         require(all(0 <= c < (1 << 64) for c in self.chunk_checksums), "a chunk checksum is not a uint64")
-        names: set[str] = set()
-        for spec in self.tensors:
-            _validate_tensor(spec, self.total_bytes)
-            require(spec.name not in names, f"tensor {spec.name!r} appears twice")
-            names.add(spec.name)
+        _validate_tensors(self.tensors, self.total_bytes)
         # Byte ranges must not overlap: every tensor gets its own bytes.
         ranges = sorted((s.offset, s.offset + s.nbytes, s.name) for s in self.tensors if s.nbytes)
         for (_, end, name), (start, _, next_name) in zip(ranges, ranges[1:]):
             require(start >= end, f"tensors {name!r} and {next_name!r} overlap")
+
+
+def _validate_tensors(specs: list[TensorSpec], total_bytes: int) -> None:
+    names: set[str] = set()
+    for spec in specs:
+        _validate_tensor(spec, total_bytes)
+        require(spec.name not in names, f"tensor {spec.name!r} appears twice")
+        names.add(spec.name)
 
 
 def _validate_tensor(spec: TensorSpec, total_bytes: int) -> None:
@@ -280,11 +284,7 @@ class WeightIpcManifest(Message, tag="weight_ipc_manifest"):
         require(0 <= self.total_bytes <= MAX_TOTAL_BYTES, f"total_bytes {self.total_bytes} out of range")
         require(self.buffer.storage_bytes >= self.total_bytes, "the shared buffer is smaller than the snapshot")
         self.buffer.validate()
-        names: set[str] = set()
-        for spec in self.tensors:
-            _validate_tensor(spec, self.total_bytes)
-            require(spec.name not in names, f"tensor {spec.name!r} appears twice")
-            names.add(spec.name)
+        _validate_tensors(self.tensors, self.total_bytes)
 
 
 class WeightError(Message, tag="weight_error"):

@@ -51,11 +51,12 @@ import torch
 import zmq
 
 from vime.logging import get_logger
-from vime.weights import cuda_ipc
 from vime.protocol.codec import Message, ProtocolError, decode, encode
 from vime.security import Security, ServerGuard, peer_of
+from vime.weights import cuda_ipc
 from vime.protocol.weights import (
     CHECKSUM_ALGORITHM,
+    CudaIpcHandle,
     DEFAULT_CHUNK_BYTES,
     ERROR_BAD_REQUEST,
     ERROR_INTERNAL,
@@ -73,7 +74,6 @@ from vime.protocol.weights import (
     WeightChunk,
     WeightChunkRequest,
     WeightError,
-    CudaIpcHandle,
     WeightFetch,
     WeightFetchAck,
     WeightFetchDone,
@@ -180,6 +180,11 @@ class _Snapshot:
 
 def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
+
+
+def _not_ready(latest: int | None, min_version: int, fetch_id: int) -> WeightError:
+    return WeightError(code=ERROR_NOT_READY, detail=f"latest version is {latest}, asked for >= {min_version}",
+                       fetch_id=fetch_id, latest_version=latest)  # fmt: skip
 
 
 def _align(offset: int) -> int:
@@ -316,14 +321,11 @@ class WeightPublisher:
                 if spec.nbytes:
                     src = tensor.detach().reshape(-1).view(torch.uint8)  # reshape copies only if strided
                     host[spec.offset : spec.offset + spec.nbytes].copy_(src)
+                    if gpu_buffer is not None:
+                        gpu_buffer[spec.offset : spec.offset + spec.nbytes].copy_(src)
                 cursor = max(cursor, spec.offset + spec.nbytes)
             host[cursor:].zero_()
-            gpu_handle = None
-            if gpu_buffer is not None:
-                for (_, tensor), spec in zip(items, specs):
-                    if spec.nbytes:
-                        gpu_buffer[spec.offset : spec.offset + spec.nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
-                gpu_handle = cuda_ipc.share(gpu_buffer)
+            gpu_handle = cuda_ipc.share(gpu_buffer) if gpu_buffer is not None else None
             copy_seconds = time.perf_counter() - copy_start
 
             checksum_start = time.perf_counter()
@@ -589,8 +591,7 @@ class WeightPublisher:
             latest = self._latest
             snapshot = self._snapshots.get(latest) if latest is not None else None
             if latest is None or snapshot is None or latest < request.min_version:
-                return WeightError(code=ERROR_NOT_READY, detail=f"latest version is {latest}, asked for >= {request.min_version}",
-                                   fetch_id=request.fetch_id, latest_version=latest)  # fmt: skip
+                return _not_ready(latest, request.min_version, request.fetch_id)
             if snapshot.gpu_handle is None or snapshot.gpu_handle.gpu_uuid != request.gpu_uuid:
                 held = "no GPU copy" if snapshot.gpu_handle is None else f"a copy on GPU {snapshot.gpu_handle.gpu_uuid}"
                 return WeightError(code=ERROR_NOT_LOCAL, detail=f"version {latest}: this publisher holds {held}",
@@ -611,12 +612,7 @@ class WeightPublisher:
         if isinstance(request, WeightFetch):
             # snapshot is None only while a keep=1 publisher is building its next version.
             if latest is None or snapshot is None or latest < request.min_version:
-                return WeightError(
-                    code=ERROR_NOT_READY,
-                    detail=f"latest version is {latest}, asked for >= {request.min_version}",
-                    fetch_id=request.fetch_id,
-                    latest_version=latest,
-                )
+                return _not_ready(latest, request.min_version, request.fetch_id)
             return snapshot.manifest(request.fetch_id)
         if isinstance(request, WeightFetchDone):
             self._completed[request.version] = self._completed.get(request.version, 0) + 1
