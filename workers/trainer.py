@@ -264,6 +264,7 @@ class LeaderLoop:
                 await self._send_acked(StepDone(step=step, group_ids=group_ids), str(step))
                 self._write_ledger(step, group_ids)
                 sync_time = 0.0
+                published = False
                 if batch_msg.replayed:
                     # Catching up after --load to the step the job had reached: the job's versions up to
                     # there exist already; new ones start with the first new step.
@@ -273,8 +274,9 @@ class LeaderLoop:
                     self.version += 1
                     await self._publish(step)
                     sync_time = time.perf_counter() - sync_started
+                    published = True
                 if self.colocate is not None:
-                    metrics.update(await self._give_gpu(step, published=sync_time > 0))
+                    metrics.update(await self._give_gpu(step, published))
                 now = time.perf_counter()
                 step_time, last_step_end = now - last_step_end, now
                 metrics.update({

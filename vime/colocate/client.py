@@ -47,12 +47,9 @@ class ColocateClient:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._guard.secure(self._sock)
         self._sock.connect(address)
-        self.sleeps = 0
         self.asleep_s = 0.0  # wall seconds the engine slept, for the worker's stats
         self._asleep_since: float | None = None
         self._tokens_at_sleep = 0
-        # Tokens the engine sampled while it was supposed to sleep (its own counter): must stay 0.
-        self.tokens_while_asleep = 0
 
     async def run(
         self, engine: RolloutEngine, on_awake: Callable[[WeightUpdateResult | None], Awaitable[None]]
@@ -98,7 +95,6 @@ class ColocateClient:
         except Exception as exc:  # reported to the trainer, which stops with it
             log.error("engine_sleep_failed", step=command.step, error=repr(exc))
             return EngineAsleep(step=command.step, seconds=time.perf_counter() - started, error=_text(exc))
-        self.sleeps += 1
         self._asleep_since = time.monotonic()
         self._tokens_at_sleep = engine.progress.tokens
         seconds = time.perf_counter() - started
@@ -107,8 +103,8 @@ class ColocateClient:
 
     async def _wake(self, engine: RolloutEngine, command: EngineWake) -> tuple[EngineAwake, WeightUpdateResult | None]:
         started = time.perf_counter()
+        # Tokens the engine sampled while it should have slept (its own counter, logged): must be 0.
         sampled_in_sleep = engine.progress.tokens - self._tokens_at_sleep if self._asleep_since is not None else 0
-        self.tokens_while_asleep += sampled_in_sleep
         if sampled_in_sleep:
             log.error("engine_generated_while_asleep", step=command.step, tokens=sampled_in_sleep)
         try:

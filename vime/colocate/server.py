@@ -42,7 +42,6 @@ class ColocateError(RuntimeError):
 class _Engine:
     worker_id: str
     last_seen: float
-    asleep: bool
     reply: asyncio.Future[EngineAsleep | EngineAwake] | None = None
     expect: type[EngineAsleep] | type[EngineAwake] | None = None  # the reply the turn in progress waits for
     expect_step: int = -1
@@ -50,11 +49,10 @@ class _Engine:
 
 @dataclass
 class TurnStats:
-    """One hand-over: wall seconds, the slowest engine's own seconds, and the weight update's parts."""
+    """One hand-over: wall seconds and the weight update's parts (the slowest engine's)."""
 
     engines: int
     seconds: float
-    engine_seconds: float = 0.0
     fetch_s: float = 0.0
     load_s: float = 0.0
     nbytes: int = 0
@@ -153,7 +151,6 @@ class ColocateServer:
                 continue
             if reply.error is not None:
                 raise ColocateError(f"colocated engine {engine.worker_id} could not {what}: {reply.error}")
-            stats.engine_seconds = max(stats.engine_seconds, reply.seconds)
             if isinstance(reply, EngineAwake):
                 stats.fetch_s = max(stats.fetch_s, reply.fetch_s)
                 stats.load_s = max(stats.load_s, reply.load_s)
@@ -208,20 +205,19 @@ class ColocateServer:
             engine = self._engines.get(identity)
             if isinstance(message, EngineJoin):
                 if engine is None:
-                    engine = self._engines[identity] = _Engine(message.worker_id, time.monotonic(), message.asleep)
-                    log.info("colocated_engine_joined", engine=message.worker_id, asleep=message.asleep)
+                    engine = self._engines[identity] = _Engine(message.worker_id, time.monotonic())
+                    log.info("colocated_engine_joined", engine=message.worker_id, asleep=message.asleep,
+                             engine_weight_version=message.weight_version)  # fmt: skip
                     self._joined.set()
                     if self._trainer_holds_gpu and not message.asleep:
                         # It (re)started while the trainer holds the GPU: it must not allocate now.
                         await self._send(identity, EngineSleep(step=self._step, level=self._sleep_level))
                 engine.last_seen = time.monotonic()
-                engine.asleep = message.asleep
                 continue
             if engine is None:
                 log.warning("colocate_reply_from_unknown_engine", message=type(message).__name__)
                 continue
             engine.last_seen = time.monotonic()
-            engine.asleep = isinstance(message, EngineAsleep) and message.error is None
             wanted = engine.expect is not None and isinstance(message, engine.expect) and message.step == engine.expect_step
             if wanted and engine.reply is not None and not engine.reply.done():
                 engine.reply.set_result(message)

@@ -533,7 +533,7 @@ class VllmRolloutEngine(RolloutEngine):
             nbytes=int(status["nbytes"]),
             fetch_s=fetch_s,
             total_s=time.perf_counter() - started,
-            extra={"worker_fetch_s": float(status["fetch_s"]), "transport": status["transport"]},
+            extra=_fetch_extra(status),
             **timings,
         )
         log.info(
@@ -640,12 +640,12 @@ class VllmRolloutEngine(RolloutEngine):
                 status = await self._fetch_in_background(endpoint, wanted)
                 fetch_s = time.perf_counter() - fetch_start
                 load_start = time.perf_counter()
-                await self._load_into_workers(llm, allow_same_version=reload)
+                await self._load_into_workers(llm)
                 load_s = time.perf_counter() - load_start
                 result = WeightUpdateResult(
                     version=self._version, requested_version=wanted, nbytes=int(status["nbytes"]), fetch_s=fetch_s,
                     load_s=load_s, paused_s=0.0, total_s=time.perf_counter() - started,
-                    extra={"worker_fetch_s": float(status["fetch_s"]), "transport": status["transport"]},
+                    extra=_fetch_extra(status),
                 )  # fmt: skip
             await llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler
             self._asleep_level = 0
@@ -688,9 +688,10 @@ class VllmRolloutEngine(RolloutEngine):
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}
 
-    async def _load_into_workers(self, llm: Any, positions: Any = None, allow_same_version: bool = False) -> None:
+    async def _load_into_workers(self, llm: Any, positions: Any = None) -> None:
         """Load the fetched version in every worker and make it the engine's version (vLLM's stamps,
-        vime's ledger at `positions`). Raises WeightUpdateError: the model may be partly updated."""
+        vime's ledger at `positions`); a version already current (a level-2 wake-up refilling its
+        weights) needs no mark. Raises WeightUpdateError: the model may be partly updated."""
         try:
             results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
         except Exception as exc:
@@ -701,8 +702,8 @@ class VllmRolloutEngine(RolloutEngine):
         if len(loaded) != 1:
             raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
         new_version = loaded.pop()
-        if new_version == self._version and allow_same_version:
-            return  # a level-2 wake-up refilled the same version
+        if new_version == self._version:
+            return
         if self._native_versions:
             await llm.update_weight_version(str(new_version))
         if self._ledger is not None:
@@ -749,6 +750,11 @@ class VllmRolloutEngine(RolloutEngine):
             from vllm.inputs import TokensPrompt
 
             return TokensPrompt(prompt_token_ids=tokens, cache_salt=cache_salt)
+
+def _fetch_extra(status: dict[str, Any]) -> dict[str, Any]:
+    """The merged workers' fetch status, as a WeightUpdateResult's extras."""
+    return {"worker_fetch_s": float(status["fetch_s"]), "transport": status["transport"]}
+
 
 async def _to_completion(coro: Any) -> Any:
     """Await `coro` even if the caller is cancelled meanwhile (then re-raise the cancellation once it
