@@ -157,17 +157,18 @@ def _rollout_with_engine(engine_dir: str, cfg: R3BenchConfig) -> list[Any]:
         args.update(max_model_len=64, gpu_memory_utilization=0.3, enforce_eager=True)
     engine = build_engine(cfg.rollout_engine, engine_dir, engine_args=args, capture_routing=True)  # type: ignore[arg-type]
     sampling = SamplingConfig(temperature=1.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed + 2)
+    prompts = _problems(cfg)
 
     async def sample() -> list[Any]:
         await engine.start()
         try:
             return await asyncio.gather(*(engine.generate(p, n=cfg.samples_per_prompt, sampling=sampling)
-                                          for p in _problems(cfg)))  # fmt: skip
+                                          for p in prompts))  # fmt: skip
         finally:
             await engine.shutdown()
 
     samples = []
-    for g, (prompt, group) in enumerate(zip(_problems(cfg), asyncio.run(sample()))):
+    for g, (prompt, group) in enumerate(zip(prompts, asyncio.run(sample()))):
         for i, s in enumerate(group):
             samples.append(SampleRecord(
                 group_index=g, prompt_tokens=np.asarray(prompt, np.int32), response_tokens=s.response_tokens,
