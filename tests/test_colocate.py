@@ -195,3 +195,42 @@ def test_an_engine_whose_process_has_gone_is_not_waited_for(tmp_path: Path) -> N
             await server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_colocate_socket_path_too_long_for_ipc_is_a_config_error_naming_the_fix(tmp_path: Path) -> None:
+    from vime.config import ConfigError, load_config
+
+    deep = tmp_path / ("d" * 120)
+    with pytest.raises(ConfigError, match="longer than an ipc path may be .* --colocate-address"):
+        load_config(None, {"colocate": True, "run_dir": str(deep)})
+    cfg = load_config(None, {"colocate": True, "run_dir": str(deep), "colocate_address": f"ipc://{tmp_path}/t.sock"})
+    assert cfg.colocate_endpoint() == f"ipc://{tmp_path}/t.sock" and cfg.weight_cuda_ipc_on()
+    assert not load_config(None, {"colocate": True, "weight_cuda_ipc": "off"}).weight_cuda_ipc_on()
+
+
+def test_malformed_turn_messages_are_refused_by_name_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    """Garbage and an impossible sleep level sent to the trainer's turn socket: each is logged and dropped;
+    the turn that follows still works."""
+    import zmq
+    import zmq.asyncio
+
+    from vime.protocol.codec import ProtocolError, decode, encode
+    from vime.protocol.colocate import CLIENT_ACCEPTS, EngineSleep
+
+    with pytest.raises(ProtocolError, match="sleep level must be 1 or 2"):
+        decode(encode(EngineSleep(step=0, level=3)), expect=CLIENT_ACCEPTS)
+
+    engine = SleepyEngine()
+
+    async def body(server: ColocateServer, woke: list[Any]) -> None:
+        ctx = zmq.asyncio.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.connect(server.address)
+        await rogue.send_multipart([b"\x00not msgpack"])
+        await rogue.send_multipart(encode(EngineSleep(step=0, level=1)))  # a command type the server does not take
+        await asyncio.sleep(0.2)
+        rogue.close(linger=0)
+        ctx.term()
+        assert (await server.take_gpu(step=0)).engines == 1 and engine.asleep
+
+    asyncio.run(_with_engines(f"ipc://{tmp_path}/turns.sock", {"rollout-a": engine}, body))
