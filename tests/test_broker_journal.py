@@ -299,3 +299,28 @@ def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
     # Steps before the checkpoint were released: asking for them is an error that says what to do.
     with pytest.raises(CannotServeStep, match="--load latest"):
         state.request_batch(TRAINER, 1, 2, 5, now=0.0)
+
+
+def test_broker_restarts_counts_every_restart_and_counters_survive_them(tmp_path: Path) -> None:
+    """Issue 15: two restarts read `broker_restarts == 1`. A restart rewrites the journal (as
+    `workers/broker.py:open_journal` does) as a snapshot followed by the replayable steps' records, and
+    restoring those used to replace the snapshot's counters by the steps' empty ones."""
+    job = Journaled(tmp_path / "broker.journal", batch=2, staleness=3, num_rollout=10, retain=True)
+    state = job.state
+    connect(state, credits=20)
+    state.on_weights_published(0, "tcp://w:1")
+    rng = random.Random(0)
+    for group in [g for _, m in state.dispatch() if isinstance(m, DispatchGroups) for g in m.groups]:
+        state.on_generated(ROLLOUT, [generated(group, 0, rng)])
+    for _, msg in state.dispatch_scoring():
+        scores = [GroupScores(group_id=g.group_id, rewards=[1.0, 0.5], failed=[False] * 2, reasons=[None] * 2) for g in msg.groups]  # type: ignore[attr-defined]
+        state.on_scored(REWARD, scores)
+    for step in range(2):  # two steps done, no checkpoint: both stay replayable
+        out = state.request_batch(TRAINER, step, 2, 0, now=0.0) or state.try_fill_batch(now=0.0)
+        state.on_step_done(step, [g.group_id for g in out[0][1].groups])  # type: ignore[attr-defined]
+    dispatched = state.counters["groups_dispatched"]
+    assert dispatched > 0
+    for restarts in (1, 2, 3):  # back to back: nothing happens between the restarts
+        job.crash(compact=True)
+        assert job.state.counters["broker_restarts"] == restarts
+        assert job.state.counters["groups_dispatched"] >= dispatched, "the counters went back to zero"

@@ -12,7 +12,9 @@ Restoring replays the records in order onto a fresh state built from the same fl
   the weight endpoint is forgotten until the trainer announces it again (it does so when it rejoins,
   and a resumed trainer when it starts), so no worker is sent to a publisher that died.
 Counters that are derived from the records (admitted, trained, failed, filtered, stale) are exact;
-the others (dispatched, requeued, ...) continue from the last snapshot in the journal.
+the others (dispatched, requeued, ...) continue from the last snapshot in the journal (a compaction's
+snapshot, or the last finished step's). `broker_restarts` is exact: every restart compacts the journal
+right after restoring it, so its snapshot carries the new count before the broker serves anything.
 Eval runs in progress are not journaled: they are not training data, and the next due eval runs as usual.
 """
 
@@ -86,7 +88,8 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
             state.step_batches[record.step] = list(record.group_ids)
         elif isinstance(record, JournalStepDone):
             state.apply_step_done(record.step)
-            counters = dict(record.counters)
+            if record.counters:  # a compacted journal's steps carry none: the snapshot before them holds them
+                counters = dict(record.counters)
         elif isinstance(record, JournalCheckpoint):
             state.release_batches_before(record.steps_done)
         elif isinstance(record, JournalPublished):
