@@ -53,11 +53,11 @@ def test_chat_messages_need_and_use_the_chat_template(tmp_path: Path, tokenizer)
 
 
 def test_bad_rows_are_reported_with_file_and_row(tmp_path: Path, tokenizer) -> None:
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1="}, {"text": "oops"}])
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1=", "label": "2"}, {"text": "oops"}])
     with pytest.raises(ConfigError, match=r"row 1: no key 'prompt'"):
         load_prompts(load_config(None, {"prompt_data": str(data)}), tokenizer)
     broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "1+1="}\n{not json\n')
+    broken.write_text('{"prompt": "1+1=", "label": "2"}\n{not json\n')
     with pytest.raises(ConfigError, match=r"broken.jsonl:2: not valid JSON"):
         load_prompts(load_config(None, {"prompt_data": str(broken)}), tokenizer)
     with pytest.raises(ConfigError, match="does not exist"):
@@ -81,3 +81,16 @@ def test_cursor_covers_each_prompt_once_per_epoch_and_reshuffles(tokenizer) -> N
     assert {e for e, _ in epoch0} == {0} and {e for e, _ in epoch1} == {1}
     assert sorted(p.index for _, p in epoch0) == list(range(10)) == sorted(p.index for _, p in epoch1)
     assert [p.index for _, p in epoch0] != [p.index for _, p in epoch1]
+
+
+def test_a_row_without_its_label_is_a_load_error(tmp_path: Path, tokenizer) -> None:
+    """Issue 15: such a row loaded and then failed every sample at scoring time, mid-run."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2="}, {"prompt": "3+3=", "label": None}])
+    with pytest.raises(ConfigError, match=r"d.jsonl row 1: no label under 'label'.*--label-key"):
+        load_prompts(load_config(None, {"prompt_data": str(data)}), tokenizer)
+    data = write_rows(tmp_path / "e.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "3+3=", "label": None}])
+    with pytest.raises(ConfigError, match=r"row 1: no label under 'label'"):
+        load_prompts(load_config(None, {"prompt_data": str(data)}), tokenizer)
+    # A dataset without labels (a judge reward) says so with an empty --label-key.
+    unlabeled = load_prompts(load_config(None, {"prompt_data": str(data), "label_key": ""}), tokenizer)
+    assert [p.label for p in unlabeled] == [None, None]

@@ -380,6 +380,20 @@ def test_unusable_reward_values_fail_only_their_sample() -> None:
     assert "timeout" in results[2].reason
 
 
+def test_json_true_and_false_are_not_rewards() -> None:
+    """The outcome table: a reward that is not a number fails its sample; JSON booleans are not numbers
+    (issue 15: they were taken as 1.0/0.0)."""
+    slime = decode_reply("slime", True, items(1), None)[0]
+    assert slime.failed and "true" in slime.reason
+    assert decode_reply("slime", {"score": False, "acc": 1}, items(1), None)[0].failed
+    assert decode_reply("slime", {"acc": True, "r": 0.5}, items(1), "acc")[0].failed
+    assert decode_reply("slime", {"score": 0.5, "acc": True}, items(1), None)[0].extra == {"acc": True}  # an extra may be a bool
+    mixed = decode_reply("openrlhf", {"rewards": [1.0, True, 0]}, items(3), None)
+    assert [r.failed for r in mixed] == [False, True, False] and mixed[2].reward == 0.0
+    vime = decode_reply("vime", {"version": 1, "results": [{"id": "s0", "reward": False}]}, items(1), None)[0]
+    assert vime.failed and "false" in vime.reason
+
+
 def test_server_and_client_halves_agree() -> None:
     batch = items(3)
     results = [RewardResult(1.0, {"acc": True, "pred": "1"}), RewardResult.failure("no label"), RewardResult(0.0, {"acc": False})]

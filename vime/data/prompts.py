@@ -4,8 +4,9 @@ Rows are JSONL or Parquet records such as `{"prompt": [{"role": "user", "content
 "34", "metadata": {...}}`; `--input-key`, `--label-key` and `--metadata-key` pick the fields and
 `--apply-chat-template` formats chat prompts with the tokenizer's template. `demo:arithmetic` generates
 the CPU demo's task instead of reading a file. Eval sets (`--eval-prompt-data NAME PATH ...`) are read
-the same way. Rows that cannot be used (missing key, empty prompt) are errors naming the file and row,
-found at load time rather than mid-run.
+the same way. Rows that cannot be used (missing prompt key, empty prompt, no label under `--label-key`
+(null counts as none), metadata that is not an object) are errors naming the file and row, found at load
+time rather than mid-run. A dataset without labels (a judge reward) says so with `--label-key ''`.
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ def _tokenize_rows(rows: list[dict[str, Any]], source: str, cfg: VimeConfig, tok
     for i, row in enumerate(rows):
         where = f"{source} row {i}"
         text = _prompt_text(row, cfg, tokenizer, where)
-        label = row.get(cfg.label_key) if cfg.label_key else None
+        label = None
+        if cfg.label_key:
+            label = row.get(cfg.label_key)
+            if label is None:
+                raise ConfigError(
+                    f"{where}: no label under {cfg.label_key!r} (set --label-key, or --label-key '' for a dataset "
+                    f"without labels); keys are {sorted(row)}"
+                )
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"{where}: metadata must be an object, got {type(metadata).__name__}")

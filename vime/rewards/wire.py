@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vime.rewards.types import RewardResult, coerce_result
+from vime.rewards.types import SCORE_KEYS, RewardResult, coerce_result
 
 WireFormat = Literal["slime", "openrlhf", "vime"]
 FORMATS: tuple[WireFormat, ...] = ("slime", "openrlhf", "vime")
@@ -104,20 +104,38 @@ def reward_from_value(value: Any, reward_key: str | None) -> RewardResult:
     """
     if value is None:
         return RewardResult.failure("reward server returned null instead of a reward")
+    if isinstance(value, bool):
+        return _boolean_reward(value, None)
     if reward_key and isinstance(value, Mapping):
         if reward_key not in value:
             return RewardResult.failure(
                 f"reward dict has no --reward-key field {reward_key!r} (fields: {sorted(map(str, value))})"
             )
-        inner = coerce_result(value[reward_key])
         extra = {str(k): v for k, v in value.items() if k != reward_key}
+        if isinstance(value[reward_key], bool):
+            return _boolean_reward(value[reward_key], reward_key, extra)
+        inner = coerce_result(value[reward_key])
         if inner.failed:
             return RewardResult.failure(f"{reward_key!r} in reward dict: {inner.reason}", **extra)
         return RewardResult(reward=inner.reward, extra=extra)
+    if isinstance(value, Mapping):
+        key = next((k for k in SCORE_KEYS if k in value), None)
+        if key is not None and isinstance(value[key], bool):
+            return _boolean_reward(value[key], key, {str(k): v for k, v in value.items() if k != key})
     result = coerce_result(value)
     if result.failed:
         return RewardResult.failure(f"reward server sent an unusable reward: {result.reason}", **result.extra)
     return result
+
+
+def _boolean_reward(value: bool, key: str | None, extra: Mapping[str, Any] | None = None) -> RewardResult:
+    """JSON true/false is not a number: on the wire it fails the sample (a Python reward function may
+    still return a bool, see `coerce_result`), so a server that sends `acc` where the score belongs is
+    noticed instead of training on 1.0/0.0."""
+    where = f"{key!r} in reward dict" if key else "reward"
+    return RewardResult.failure(
+        f"reward server sent an unusable reward: {where} is JSON {str(value).lower()}, not a number", **dict(extra or {})
+    )
 
 
 def decode_reply(fmt: WireFormat, body: Any, items: Sequence[ScoreItem], reward_key: str | None) -> list[RewardResult]:
