@@ -14,7 +14,7 @@ from vime.broker.server import BrokerServer
 from vime.broker.state import BrokerSettings, BrokerState
 from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.codec import PROTOCOL_VERSION, decode, encode
-from vime.protocol.messages import Credit, DispatchGroups, ErrorReply, GroupsScored, Hello, StatusReply, StatusRequest, Welcome
+from vime.protocol.messages import Bye, Credit, DispatchGroups, ErrorReply, GroupsScored, Hello, StatusReply, StatusRequest, Welcome
 
 
 @pytest.fixture()
@@ -109,3 +109,63 @@ def test_vime_status_reports_an_unreachable_broker(capsys: pytest.CaptureFixture
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "tcp://127.0.0.1:1" in err and ("did not answer" in err or "not reachable" in err)
+
+
+class LogRecorder:
+    """Stands in for the server module's structlog logger; keeps (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
+        return lambda event, *args, **fields: self.records.append((level, event, fields))
+
+    def events(self, name: str) -> list[dict]:
+        return [fields for _, event, fields in self.records if event == name]
+
+
+@pytest.fixture()
+def server_log(monkeypatch: pytest.MonkeyPatch) -> LogRecorder:
+    import vime.broker.server as server_module
+
+    recorder = LogRecorder()
+    monkeypatch.setattr(server_module, "log", recorder)
+    return recorder
+
+
+def idle_server(**kwargs) -> BrokerServer:  # type: ignore[no-untyped-def]
+    """A BrokerServer whose loop is not running: the test calls its handlers itself."""
+    prompts = [Prompt(i, "1+1=", np.array([1, 2], dtype=np.int32), "2") for i in range(8)]
+    settings = BrokerSettings(2, 2, 1, 1, 10, 30.0, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
+    return BrokerServer(BrokerState(settings, PromptCursor(prompts, shuffle=False, seed=0)), "tcp://127.0.0.1:*", **kwargs)
+
+
+def close_idle(server: BrokerServer) -> None:
+    server.socket.close(linger=0)
+    server.guard.close()
+    server.context.term()
+
+
+def test_worker_expired_and_worker_left_log_how_many_groups_were_requeued(server_log: LogRecorder) -> None:
+    """Issue 15: `worker_expired` logged requeued=0 while its groups were requeued (the count was read
+    after the leases had been released)."""
+    server = idle_server()
+    try:
+        state = server.state
+        for identity, worker_id in ((b"r1", "rollout-1"), (b"r2", "rollout-2")):
+            state.register(identity, worker_id, "rollout", now=0.0)
+            state.add_credit(identity, 2)
+        state.dispatch()
+        leased = {w.worker_id: len(w.leased) for w in state.workers.values()}
+        assert leased == {"rollout-1": 2, "rollout-2": 2}
+        server._dispatch_message(b"r2", Bye(reason="sigterm"), now=1.0)
+        state.touch(b"r1", 0.0)
+        server._housekeeping(now=100.0)  # rollout-1 silent for 100 s > worker_timeout_s
+        [expired] = server_log.events("worker_expired")
+        assert (expired["worker"], expired["requeued"]) == ("rollout-1", 2)
+        [left] = server_log.events("worker_left")
+        assert (left["worker"], left["requeued"]) == ("rollout-2", 2)
+        assert state.counters["groups_requeued"] == 4
+    finally:
+        close_idle(server)
+

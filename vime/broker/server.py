@@ -142,7 +142,7 @@ class BrokerServer:
         if now - self._last_expiry_check > 1.0:
             self._last_expiry_check = now
             for worker in self.state.expire_workers(now):
-                log.warning("worker_expired", worker=worker.worker_id, role=worker.role, requeued=len(worker.leased))
+                log.warning("worker_expired", worker=worker.worker_id, role=worker.role, requeued=worker.requeued)
         self._send(self.state.dispatch())
         self._send(self.state.dispatch_scoring())
         self._send(self.state.try_fill_batch(now))
@@ -204,8 +204,10 @@ class BrokerServer:
     def _dispatch_message(self, identity: bytes, msg: Message, now: float) -> None:
         state = self.state
         if isinstance(msg, Hello):
+            old = state.workers.get(identity)  # a restarted worker's old registration: its leases are requeued
             job = state.register(identity, msg.worker_id, msg.role, now, msg.weight_version)
-            log.info("worker_joined", worker=msg.worker_id, role=msg.role, host=msg.host, pid=msg.pid)
+            requeued = {"requeued": old.requeued} if old is not None and old.requeued else {}
+            log.info("worker_joined", worker=msg.worker_id, role=msg.role, host=msg.host, pid=msg.pid, **requeued)
             self._send([(identity, Welcome(worker_id=msg.worker_id, job=job))])
             return
         if isinstance(msg, StatusRequest):
@@ -222,7 +224,7 @@ class BrokerServer:
             self._send([(identity, HeartbeatAck(weight_version=state.published_version, weight_endpoint=state.weight_endpoint))])
         elif isinstance(msg, Bye):
             state.remove_worker(identity)
-            log.info("worker_left", worker=worker.worker_id, reason=msg.reason)
+            log.info("worker_left", worker=worker.worker_id, reason=msg.reason, requeued=worker.requeued)
         elif isinstance(msg, Credit):
             state.add_credit(identity, msg.n)
         elif isinstance(msg, GroupsGenerated):

@@ -102,6 +102,7 @@ class WorkerInfo:
     weight_version: int = -1
     leased: set[str] = field(default_factory=set)
     stats: dict[str, Any] = field(default_factory=dict)
+    requeued: int = 0  # leased groups put back in a queue when this registration ended (for the log)
 
 
 @dataclass
@@ -308,13 +309,16 @@ class BrokerState:
         return worker
 
     def expire_workers(self, now: float) -> list[WorkerInfo]:
-        """Drop workers silent for longer than the timeout; their leased groups are re-queued."""
+        """Drop workers silent for longer than the timeout; their leased groups are re-queued (how
+        many: each returned worker's `requeued`)."""
         dead = [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_s]
         for worker in dead:
             self.remove_worker(worker.identity)
         return dead
 
     def _release_leases(self, worker: WorkerInfo) -> None:
+        """Put the worker's leased groups back in their queues (counted in `worker.requeued`)."""
+        requeued = 0
         for group_id in sorted(worker.leased, key=lambda g: (self.dispatch_seq.get(g, 0), g), reverse=True):
             if group_id in self.generating:
                 group, _ = self.generating.pop(group_id)
@@ -324,11 +328,13 @@ class BrokerState:
                     self.eval_queue.appendleft(group)
                 else:
                     self.retry_queue.appendleft(group)
-                self.counters["groups_requeued"] += 1
+                requeued += 1
             elif group_id in self.scoring:
                 group, _ = self.scoring.pop(group_id)
                 self.to_score.appendleft(group)
-                self.counters["groups_requeued"] += 1
+                requeued += 1
+        self.counters["groups_requeued"] += requeued
+        worker.requeued += requeued
         worker.leased.clear()
 
     def add_credit(self, identity: bytes, n: int) -> None:
