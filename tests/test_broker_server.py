@@ -169,3 +169,37 @@ def test_worker_expired_and_worker_left_log_how_many_groups_were_requeued(server
     finally:
         close_idle(server)
 
+
+def test_bad_message_lines_are_rate_limited_with_a_count_of_the_rest(
+    server_log: LogRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: 20,000 bad messages wrote 20,000 `bad_message` lines (6.2 MB). Now: the first few of
+    an interval each, then one `bad_message_suppressed` line per interval with the count; every one
+    is still answered and counted."""
+    import vime.broker.server as server_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(server_module.time, "monotonic", lambda: clock[0])
+    server = idle_server()
+    sent: list = []
+    monkeypatch.setattr(server, "_send", lambda outgoing: sent.extend(outgoing))
+    try:
+        garbage = [zmq.Frame(b"peer"), zmq.Frame(b"\x00garbage")]
+        for _ in range(20_000):
+            server._handle(garbage, clock[0])
+        assert server.state.counters["bad_messages"] == 20_000
+        assert len(sent) == 20_000 and all(isinstance(m, ErrorReply) for _, m in sent)
+        logged = len(server_log.events("bad_message"))
+        assert 1 <= logged <= 20, logged
+        clock[0] += 11.0  # the next interval: the count of what was not logged comes first
+        server._handle(garbage, clock[0])
+        [summary] = server_log.events("bad_message_suppressed")
+        assert summary["suppressed"] == 20_000 - logged
+        assert summary["by_code"] == {"malformed": 20_000 - logged}
+        assert len(server_log.events("bad_message")) == logged + 1
+        server._handle(garbage, clock[0])  # a few more in the new interval are logged again
+        server._flush_log_limits()  # at shutdown: nothing suppressed goes unmentioned
+        assert len(server_log.events("bad_message")) == logged + 2
+        assert len(server_log.events("bad_message_suppressed")) == 1
+    finally:
+        close_idle(server)

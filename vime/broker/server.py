@@ -2,7 +2,9 @@
 
 One ROUTER socket serves every worker and status client. Each incoming message is decoded and
 validated (`vime.protocol.codec`); anything malformed, oversized, unknown or unexpected for the
-sender's role gets an `ErrorReply` and a structured log line, and changes no state. After each event
+sender's role gets an `ErrorReply`, is counted, and changes no state; it is logged as `bad_message`
+(rate-limited: `BAD_MESSAGE_LOG_BURST` lines per error code per interval, then one
+`bad_message_suppressed` line with the count). After each event
 the loop runs dispatch, scoring hand-off and batch filling, then sends what the state produced.
 The loop also expires silent workers (their leased groups are re-queued), sends finished eval runs
 to the trainer, warns when a dynamic sampling filter keeps dropping every group (training cannot
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,49 @@ ALLOWED: dict[type[Message], frozenset[str]] = {
 }
 ACCEPTED_TYPES = (Hello, StatusRequest, *ALLOWED)
 
+# `bad_message` lines: at most this many of each error code per interval; the rest are counted and
+# reported in one `bad_message_suppressed` line when the interval is over (or at shutdown). A flood of
+# garbage (or of unknown-peer heartbeats after a restart) must not become a flood of log lines.
+BAD_MESSAGE_LOG_BURST = 10
+BAD_MESSAGE_LOG_EVERY_S = 10.0
+
+
+class BadMessageLog:
+    """The rate limit on `bad_message` lines (see BAD_MESSAGE_LOG_BURST). Every bad message is still
+    answered and counted in the broker's `bad_messages` counter; only its log line may be left out."""
+
+    def __init__(self, burst: int = BAD_MESSAGE_LOG_BURST, every_s: float = BAD_MESSAGE_LOG_EVERY_S) -> None:
+        self.burst = burst
+        self.every_s = every_s
+        self.suppressed_total = 0  # lines left out so far (each reported in a bad_message_suppressed line)
+        self._started = float("-inf")
+        self._logged: Counter[str] = Counter()
+        self._suppressed: Counter[str] = Counter()
+
+    def allow(self, code: str, now: float) -> bool:
+        """Whether to log this bad message's line; if not, it is counted for the interval's summary."""
+        self.roll(now)
+        if self._logged[code] < self.burst:
+            self._logged[code] += 1
+            return True
+        self._suppressed[code] += 1
+        self.suppressed_total += 1
+        return False
+
+    def roll(self, now: float, *, force: bool = False) -> None:
+        """End the interval if it is over (or `force`): report what was left out, start counting again."""
+        if not force and now - self._started < self.every_s:
+            return
+        if self._suppressed:
+            expected_only = set(self._suppressed) == {ERROR_UNKNOWN_PEER}
+            (log.info if expected_only else log.warning)(
+                "bad_message_suppressed", suppressed=sum(self._suppressed.values()), by_code=dict(self._suppressed),
+                interval_s=round(now - self._started, 1), burst_per_code=self.burst,
+            )  # fmt: skip
+        self._started = now
+        self._logged.clear()
+        self._suppressed.clear()
+
 
 class BrokerServer:
     def __init__(
@@ -99,6 +145,7 @@ class BrokerServer:
         self.max_message_bytes = max_message_bytes
         self._stop = False
         self._unbound_keys_warned: set[str] = set()
+        self.bad_message_log = BadMessageLog()
         self._last_status_write = 0.0
         self._last_expiry_check = 0.0
         self._streak_warn_at = self._first_streak_warning = 4 * max(
@@ -132,6 +179,7 @@ class BrokerServer:
         self._flush_journal()
         if self.journal is not None:
             self.journal.close()
+        self._flush_log_limits()
         self._write_status(time.monotonic(), force=True)
         log.info("broker_stopped", **self.state.counters)
         self.socket.close(linger=500)
@@ -143,6 +191,7 @@ class BrokerServer:
             self._last_expiry_check = now
             for worker in self.state.expire_workers(now):
                 log.warning("worker_expired", worker=worker.worker_id, role=worker.role, requeued=worker.requeued)
+        self.bad_message_log.roll(now)
         self._send(self.state.dispatch())
         self._send(self.state.dispatch_scoring())
         self._send(self.state.try_fill_batch(now))
@@ -180,8 +229,9 @@ class BrokerServer:
             if exc.code == ERROR_UNKNOWN_PEER:
                 # Expected after a broker restart (the worker says Hello again on this reply): not a warning.
                 self.state.counters["unknown_peer_messages"] += 1
-                log.info("bad_message", code=exc.code, detail=exc.detail[:200], peer=identity.hex())
-            else:
+                if self.bad_message_log.allow(exc.code, now):
+                    log.info("bad_message", code=exc.code, detail=exc.detail[:200], peer=identity.hex())
+            elif self.bad_message_log.allow(exc.code, now):
                 log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
             self._send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
 
@@ -248,6 +298,10 @@ class BrokerServer:
             bind_progress(weight_version=state.published_version)
             log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
             self._send([(identity, Ack(ids=[str(msg.version)]))])
+
+    def _flush_log_limits(self) -> None:
+        """At shutdown: report the bad-message lines left out in the last interval."""
+        self.bad_message_log.roll(time.monotonic(), force=True)
 
     def _flush_journal(self) -> None:
         if self.journal is not None:
