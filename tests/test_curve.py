@@ -40,11 +40,13 @@ from vime.protocol.messages import Credit, DispatchGroups, ErrorReply, GroupsGen
 from vime.protocol.weights import WeightFetch
 from vime.security import (
     HandshakeRejected,
+    HandshakeWatch,
     KeyPaths,
     Security,
     SecurityError,
     create_keys,
     is_local_endpoint,
+    load_client_keys,
 )
 from vime.weights import WeightFetcher, WeightFetchError, WeightPublisher
 
@@ -272,6 +274,35 @@ def test_only_clients_with_an_allowed_key_can_join_submit_or_get_work(
     assert [w["worker_id"].split("-")[0] for w in status["workers"]] == ["rollout"]
     assert status["counters"]["bad_messages"] == 0
     assert status["counters"]["groups_generated"] == 0
+
+
+def test_a_forged_secret_for_an_allowed_public_key_is_refused_and_logged_without_a_false_reason(
+    curve_broker: tuple[str, BrokerServer], keys: dict[str, Security], security_log: Recorder
+) -> None:
+    """Issue 15: a client presenting an allowed public key with a secret key that is not its own was
+    logged as "does not have this server's public key". libzmq fails that handshake (the INITIATE
+    vouch does not open) before ZAP sees the key, with the same event and code as a wrong server key
+    (measured, libzmq 4.3.5: server PROTOCOL/ZMTP_CRYPTOGRAPHIC, client NO_DETAIL), so both sides must
+    name both possibilities."""
+    endpoint, server = curve_broker
+    job = load_client_keys(keys["job"].keys_dir, "rollout")  # type: ignore[arg-type]
+    _, forged_secret = zmq.curve_keypair()
+    with bare_context() as ctx:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = job.server_public, job.public, forged_secret
+        watch = HandshakeWatch(sock, name="forger", side="client")
+        sock.connect(endpoint)
+        sock.send_multipart(encode(Hello(role="rollout", worker_id="forger")))
+        assert not sock.poll(1000), "a client with a forged secret key received something"
+        failed = security_log.wait_for("zmq_handshake_failed", socket="broker", side="server")
+        client_reason = watch.rejection
+    for reason in (failed["reason"], client_reason):
+        assert reason is not None
+        assert "secret key does not match" in reason and "wrong server public key" in reason, reason
+    assert "does not have this server's public key" not in failed["reason"]
+    assert security_log.events("zap_denied") == [], "ZAP never sees a key whose handshake failed"
+    assert server.state.workers == {} and server.state.counters["bad_messages"] == 0
 
 
 def test_a_client_key_named_for_a_role_can_only_join_in_that_role(

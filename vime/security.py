@@ -335,10 +335,21 @@ def describe_handshake_failure(event: int, value: int, *, side: str) -> str:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return "security mechanism mismatch: one side uses CURVE, the other plaintext"
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            return "CURVE cryptographic error: the client does not have this server's public key"
+            # libzmq reports a client holding a wrong server key (its HELLO does not open) and one whose
+            # secret key is not its public key's (its INITIATE vouch does not open) the same way, before
+            # ZAP sees the key: which of the two it was is not known.
+            return (
+                "CURVE cryptographic error: the client has a wrong server public key, or its secret key does "
+                "not match the public key it presents (libzmq refuses both before ZAP sees the key and does not "
+                "say which)"
+            )
         return f"ZMTP protocol error {_PROTOCOL_ERRORS.get(value, hex(value))}"
     if side == "client":
-        return "the server closed the connection during the handshake (wrong server public key?)"
+        # The same for both of the cases above (measured, libzmq 4.3.5): the server just hangs up.
+        return (
+            "the server closed the connection during the handshake (wrong server public key, or this "
+            "client's secret key does not match its public key?)"
+        )
     if value == errno.EFAULT:  # what libzmq reports when ZAP_ENFORCE_DOMAIN finds no ZAP handler
         return "no ZAP handler is running to check the client's key, so it was refused (fail closed)"
     return f"handshake failed (errno {value}: {os.strerror(value) if value > 0 else '?'})"
