@@ -73,3 +73,26 @@ def test_every_field_has_a_flag() -> None:
     text = build_parser().format_help()
     for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip-high", "--kl-loss-type", "--use-tis", "--max-staleness", "--custom-rm-path", "--apply-chat-template"]:
         assert flag in text
+
+
+def test_vllm_flags_with_the_hf_engine_are_named_in_a_warning(tmp_path: Path) -> None:
+    """Issue 15: `--vllm-*` flags were silently ignored with `--rollout-engine hf`. As for other
+    inapplicable settings (a custom_rm_path's rm_type), vime logs a warning naming them and goes on."""
+    from structlog.testing import capture_logs
+
+    from vime.logging import configure_logging
+
+    configure_logging()  # first, or its structlog.configure() would replace capture_logs' processors
+    path = write(tmp_path, "rollout_engine: hf\nvllm:\n  max_model_len: 64\n")
+    with capture_logs() as logs:
+        cfg, _ = parse_config(["--config", str(path), "--vllm-gpu-memory-utilization", "0.5", "--vllm-dtype", "float32"])
+        # Nothing to say when vLLM may run them, or when no vLLM flag is given.
+        for argv in (["--rollout-engine", "vllm", "--vllm-max-model-len", "64"], ["--rollout-engine", "auto", "--vllm-max-model-len", "64"],
+                     ["--rollout-engine", "hf"]):  # fmt: skip
+            parse_config(argv)
+    assert cfg.vllm == {"max_model_len": 64, "gpu_memory_utilization": 0.5, "dtype": "float32"}, "kept as given"
+    [warning] = [e for e in logs if e["event"] == "vllm_flags_ignored"]
+    assert warning["log_level"] == "warning" and warning["rollout_engine"] == "hf"
+    assert warning["flags"] == ["--vllm-gpu-memory-utilization", "--vllm-max-model-len"]
+    # --vllm-dtype still sets the dtype the trainer publishes weights in: said, not listed as ignored.
+    assert "--vllm-dtype" in warning["dtype"] and "--rollout-dtype" in warning["dtype"]

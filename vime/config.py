@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vime.logging import get_logger
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the problem."""
@@ -466,12 +468,39 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> V
         elif value is not None:
             data[key] = value
     try:
-        return VimeConfig(**data)
+        cfg = VimeConfig(**data)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
+    warn_unused(cfg)
+    return cfg
+
+
+def warn_unused(cfg: VimeConfig) -> None:
+    """Log a warning naming settings this job will not use, and go on (vime's convention for a setting
+    that does not apply, as for an rm_type beside a custom_rm_path): `--vllm-*` engine arguments with
+    `--rollout-engine hf`, whose transformers engine takes none of them. `--vllm-dtype` is not among
+    them: it also sets the dtype the trainer publishes weights in, so it is mentioned separately."""
+    if cfg.rollout_engine != "hf" or not cfg.vllm:
+        return
+    ignored = sorted("--vllm-" + key.replace("_", "-") for key in cfg.vllm if key != "dtype")
+    dtype = {}
+    if "dtype" in cfg.vllm:
+        dtype["dtype"] = (
+            f"--vllm-dtype {cfg.vllm['dtype']} only sets the dtype the trainer publishes weights in; the hf "
+            f"engine runs in --rollout-dtype ({cfg.rollout_dtype or 'float32'})"
+        )
+    log = get_logger(__name__)
+    if ignored:
+        log.warning(
+            "vllm_flags_ignored", rollout_engine=cfg.rollout_engine, flags=ignored,
+            hint="vLLM engine arguments apply only to the vLLM engine (--rollout-engine vllm, or auto where vLLM is installed)",
+            **dtype,
+        )  # fmt: skip
+    else:
+        log.info("vllm_dtype_with_hf_engine", **dtype)
 
 
 def config_from_args(args: argparse.Namespace, vllm_args: dict[str, Any]) -> VimeConfig:
