@@ -228,13 +228,14 @@ class LeaderLoop:
     async def run(self) -> int:
         job = await self.client.hello(weight_version=self.version)
         first_step = self.resume.steps_done if self.resume else 0
-        if job.weight_endpoint is not None:
-            # The job has published weights before (a resumed or restarted trainer). Ours are published
-            # under the job's current version from this new endpoint: workers that hold it keep
-            # generating, workers that join fetch ours. Replayed steps publish nothing, and the next new
-            # step publishes the next version as usual, so versions (and the staleness gate, which counts
-            # them) go on as if the trainer had not stopped.
-            self.version = max(self.version, job.weight_version)
+        # A job that has published before (a resumed or restarted trainer, with or without a restarted
+        # broker, whose journal keeps the version but not the endpoint): ours are published under the
+        # job's current version from this new endpoint. Workers that hold it keep generating, workers
+        # that join fetch ours. Replayed steps publish nothing, and the next new step publishes the next
+        # version as usual, so versions (and the staleness gate, which counts them) go on as if the
+        # trainer had not stopped. A checkpoint's version behind the job's would leave every worker
+        # waiting for a version that never comes.
+        self.version = max(self.version, job.weight_version)
         self.heartbeat = asyncio.create_task(
             self.client.heartbeat_loop(self.cfg.heartbeat_interval_s, lambda: Heartbeat(weight_version=self.version))
         )
