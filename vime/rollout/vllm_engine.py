@@ -36,6 +36,7 @@ from vime.rollout.base import (
     versions_from_spans,
 )
 from vime.rollout.vllm_environment import apply_vllm_environment
+from vime.rollout.vllm_owner_watch import arm as arm_owner_watch
 from vime.rollout.vllm_stats import OutputBarrier, StatHooks, stat_logger_factory
 from vime.rollout.vllm_versions import VersionLedger, output_positions
 
@@ -188,6 +189,7 @@ class VllmRolloutEngine(RolloutEngine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        arm_owner_watch()  # the engine's processes die with this one, even by SIGKILL
         apply_vllm_environment(
             on_cuda=current_platform.is_cuda_alike() and not current_platform.is_cpu(),
             capture_routing=self._capture_routing,
