@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vime.launcher import Child, die_with_parent  # noqa: E402  (after the path set-up above)
+from vime.process import Child, die_with_parent  # noqa: E402  (after the path set-up above)
 
 WORKER_KINDS = ("rollout", "reward")
 
@@ -63,14 +63,14 @@ WORKER_KINDS = ("rollout", "reward")
 # steps) and the full form (the real demo: vLLM, the warm-started demo model, the arithmetic reward).
 PRESETS: dict[str, dict[str, Any]] = {
     "ci": dict(
-        engine="hf", model="tiny", task="digits", num_rollout=80, rollout_batch_size=8, n_samples_per_prompt=8,
+        engine="hf", model="tiny", task="digits", num_rollout=60, rollout_batch_size=8, n_samples_per_prompt=8,
         rollout_concurrency=4, reward_concurrency=4, lr=1e-2, worker_kills=6, broker_kills=1, trainer_kills=0,
-        reward_window=10, min_reward_gain=0.05, timeout=240.0, rejoin_window_s=15.0,
+        job_kills=1, reward_window=10, min_reward_gain=0.05, timeout=240.0, rejoin_window_s=15.0,
     ),
     "full": dict(
         engine="vllm", model="demo", task="arithmetic", num_rollout=120, rollout_batch_size=32, n_samples_per_prompt=8,
         rollout_concurrency=32, reward_concurrency=16, lr=None, worker_kills=6, broker_kills=1, trainer_kills=0,
-        reward_window=10, min_reward_gain=0.03, timeout=1200.0, rejoin_window_s=150.0,
+        job_kills=1, reward_window=10, min_reward_gain=0.03, timeout=1200.0, rejoin_window_s=150.0,
     ),
 }
 
@@ -277,6 +277,12 @@ def plan_faults(args: argparse.Namespace, rng: random.Random) -> list[Fault]:
     for i in range(args.trainer_kills):
         step = min(last, max(1, round(args.num_rollout * args.trainer_kill_at) + i * 2))
         faults.append(Fault("trainer", step, rng.uniform(0.0, args.max_fault_delay), args.min_restart_delay))
+    for i in range(args.job_kills):
+        # Off the checkpoint steps: the resumed trainer must replay steps the job has trained since.
+        step = min(last, max(1, round(args.num_rollout * args.job_kill_at) + i * 2))
+        if args.save_interval and step % args.save_interval == 0:
+            step = min(last, step + 1)
+        faults.append(Fault("job", step, rng.uniform(0.0, args.max_fault_delay), args.broker_restart_delay))
     faults.sort(key=lambda f: (f.at_step, f.delay_s))
     return faults
 
@@ -305,8 +311,10 @@ def build_config(args: argparse.Namespace, run_dir: Path, model: Path):  # type:
         overrides["lr"] = args.lr
     if args.task == "digits":
         overrides.update(rm_type="custom", custom_rm_path=f"{Path(__file__).resolve()}:digit_reward")
-    if args.trainer_kills:
+    if args.trainer_kills or args.job_kills:
         overrides["save_interval"] = args.save_interval
+    if args.supervised:
+        overrides["max_restarts"] = 10  # the harness may kill one worker several times within the restart window
     return load_config(REPO / "configs" / "demo.yaml", overrides)
 
 
@@ -441,15 +449,18 @@ class Chaos:
                     self._wait_for_broker_exit()
                 return
             self._check_unexpected_exits(now, steps)
-            if pending and now >= self.busy_until and steps >= pending[0].at_step:
-                fault = pending[0]
-                if fault.due_at is None:
-                    fault.due_at = now + fault.delay_s  # its step is reached: the random delay starts
-                if now >= fault.due_at:
-                    if self._fire(fault, now, steps):
-                        pending.pop(0)
-                    else:
-                        fault.due_at = now + 0.5  # no victim right now (all restarting): try again shortly
+            self._fire_due(pending, now, steps)
+
+    def _fire_due(self, pending: list[Fault], now: float, steps: int) -> None:
+        if pending and now >= self.busy_until and steps >= pending[0].at_step:
+            fault = pending[0]
+            if fault.due_at is None:
+                fault.due_at = now + fault.delay_s  # its step is reached: the random delay starts
+            if now >= fault.due_at:
+                if self._fire(fault, now, steps):
+                    pending.pop(0)
+                else:
+                    fault.due_at = now + 0.5  # no victim right now (all restarting): try again shortly
 
     def _wait_for_broker_exit(self) -> None:
         """After the last step the broker shuts the workers down and, a few seconds later, exits. Once
@@ -472,6 +483,8 @@ class Chaos:
             if not victims:
                 return False
             victim = self.rng.choice(victims)
+        elif fault.kind == "job":
+            return self._fire_job(fault, now, steps)
         else:
             victim = self.proc("broker" if fault.kind == "broker" else "trainer-0")
             if not victim.alive:
@@ -499,6 +512,28 @@ class Chaos:
             + (f" as {worker_id}" if fault.kind in WORKER_KINDS else "")
             + (" with --load latest" if fault.kind == "trainer" else "")
         )
+        fault.note = "restart pending"
+        return True
+
+    def _fire_job(self, fault: Fault, now: float, steps: int) -> bool:
+        """The broker and trainer rank 0 at once (a lost machine, a killed job): both restart, the broker
+        from its journal, the trainer with --load latest from a checkpoint behind the job's step."""
+        broker, trainer = self.proc("broker"), self.proc("trainer-0")
+        if not (broker.alive and trainer.alive):
+            return False
+        fault.target, fault.restarted_as = "trainer-0", "trainer-0"  # its rejoin proves both are back
+        fault.pid = trainer.process.pid if trainer.process else None
+        fault.fired_at_s, fault.steps_at_fire = self.now(), steps
+        broker.kill()
+        trainer.kill()
+        for victim in (broker, trainer):
+            victim.incarnation += 1
+            victim.restart_at = now + fault.restart_after_s
+            victim.restart_argv = list(victim.argv)
+        if "--load" not in trainer.argv:
+            trainer.restart_argv = [*trainer.argv, "--load", "latest"]
+        self.busy_until = now + fault.restart_after_s + self.args.settle_s
+        self.say(f"SIGKILL broker and trainer-0 at step {steps}; both restart in {fault.restart_after_s:.1f} s (trainer with --load latest)")
         fault.note = "restart pending"
         return True
 
@@ -619,6 +654,131 @@ class Chaos:
         }
 
 
+class SupervisedChaos(Chaos):
+    """The same faults under `vime run` (`--supervised`): the harness only kills, one process as a crash
+    does (not its process group); the launcher's supervisor must notice, clean up and restart. Victims
+    and their new incarnations are read from RUN_DIR/processes.json, which the launcher keeps."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.awaiting_restart: dict[str, int] = {}  # name -> the pid killed, until a new one shows
+        self.kill_offsets: dict[str, int] = {}  # name -> the broker log's size when it was last killed
+        self.kills: dict[str, int] = {}
+        # Worker incarnations whose Hello is awaited: name -> (broker log offset, start time), to measure
+        # how long a worker needs to join on this machine (see `rejoin_window_s`).
+        self.awaiting_join: dict[str, tuple[int, float]] = {}
+
+    def prepare(self) -> None:
+        (self.run_dir / "launcher.log").unlink(missing_ok=True)
+        super().prepare()
+        env = dict(self.procs[0].env)
+        argv = [sys.executable, "-m", "vime.cli", "run", str(self.run_dir / "config.yaml"), "--no-progress",
+                "--timeout", str(self.args.timeout)]  # fmt: skip
+        self.launcher = Proc("launcher", argv, env, self.run_dir / "launcher.log", kind="launcher")
+        self.procs = [self.launcher]
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        return read_json(self.run_dir / "processes.json") or {}
+
+    def run(self) -> None:
+        self.launcher.start()
+        self.awaiting_join = {name: (0, time.monotonic()) for name in self._worker_names()}
+        deadline = self.t0 + self.args.timeout
+        pending = list(self.faults)
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            if now > deadline:
+                self.timed_out = True
+                self.say(f"watchdog: the job did not finish within {self.args.timeout:.0f} s")
+                return
+            steps = self.steps_done()
+            self._note_restarts()
+            self._note_joins(now)
+            code = self.launcher.poll()
+            if code is not None:
+                self.trainer_exit = code  # vime run exits 0 only when the trainer finished
+                self.end_s = self.now()
+                self.say(f"vime run exited with code {code} after {steps} steps\n{self.launcher.tail(8)}")
+                return
+            self._fire_due(pending, now, steps)
+
+    def _worker_names(self) -> list[str]:
+        cfg = self.cfg
+        return [f"rollout-{i}" for i in range(cfg.num_rollout_workers)] + [f"reward-{i}" for i in range(cfg.num_reward_workers)]
+
+    def _note_joins(self, now: float) -> None:
+        for name, (offset, started) in list(self.awaiting_join.items()):
+            if any(e.get("worker") == name for e in self.broker_events_after(offset, "worker_joined")):
+                kind = name.split("-")[0]
+                self.join_latency_s[kind] = max(self.join_latency_s.get(kind, 0.0), now - started)
+                del self.awaiting_join[name]
+
+    def _joined(self, name: str) -> bool:
+        joined = self.broker_events_after(self.kill_offsets.get(name, 0), "worker_joined")
+        return any(e.get("worker") == name for e in joined)
+
+    def _fire(self, fault: Fault, now: float, steps: int) -> bool:
+        table = self.processes()
+        if fault.kind in WORKER_KINDS:
+            candidates = [n for n in table if n.split("-")[0] == fault.kind and n not in self.awaiting_restart and self._joined(n)]
+            if not candidates:
+                return False
+            names = [self.rng.choice(candidates)]
+        else:
+            names = {"broker": ["broker"], "trainer": ["trainer-0"], "job": ["broker", "trainer-0"]}[fault.kind]
+            if any(n not in table or n in self.awaiting_restart for n in names):
+                return False
+        offset = self.broker_log_size()
+        for name in names:
+            pid = int(table[name]["pid"])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+            self.awaiting_restart[name] = pid
+            self.kill_offsets[name] = offset
+            self.kills[name] = self.kills.get(name, 0) + 1
+        fault.target = fault.restarted_as = names[-1]
+        fault.pid = int(table[names[-1]]["pid"])
+        fault.fired_at_s, fault.steps_at_fire = self.now(), steps
+        fault.log_offset = offset  # the victim's next incarnation logs after this
+        fault.note = "restart pending"
+        if fault.kind not in WORKER_KINDS:
+            self.busy_until = now + self.args.settle_s + 2 * self.cfg.restart_backoff_s
+        self.say(f"SIGKILL {' and '.join(names)} (pid {fault.pid}) at step {steps}; the supervisor restarts it")
+        return True
+
+    def _note_restarts(self) -> None:
+        table = self.processes()
+        for name, pid in list(self.awaiting_restart.items()):
+            entry = table.get(name)
+            if entry is None or entry.get("pid") == pid:
+                continue
+            del self.awaiting_restart[name]
+            if name.split("-")[0] in WORKER_KINDS:
+                self.awaiting_join[name] = (self.kill_offsets.get(name, 0), time.monotonic())
+            for fault in self.faults:
+                if fault.target == name and fault.injected and fault.restarted_at_s is None:
+                    fault.restarted_at_s, fault.restart_wall, fault.note = self.now(), time.time(), ""
+            self.say(f"the supervisor restarted {name} (pid {entry.get('pid')})")
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        table = self.processes()
+        # A restart the harness did not cause is a process that died on its own.
+        for name, entry in table.items():
+            slot_kills = self.kills.get(name, 0)
+            if name.startswith("trainer-"):
+                slot_kills = self.kills.get("trainer-0", 0)
+            extra = int(entry.get("restarts", 0)) - slot_kills
+            if extra > 0:
+                self.unexpected_exits.append({"name": name, "code": "?", "at_s": "?", "restarts_not_caused": extra})
+        out = super().summary(wall_s)
+        out["supervised"] = True
+        out["restart_latency_s"] = {name: entry.get("downtime_s", []) for name, entry in table.items() if entry.get("downtime_s")}
+        return out
+
+
 def _seconds_between(timestamp: str | None, fault: Fault) -> float | None:
     """Seconds from the fault's restart to a broker log event's ISO timestamp (None if unknown)."""
     if not timestamp or fault.restart_wall is None:
@@ -717,7 +877,7 @@ def run_checks(
         + (f"; not: {', '.join(f'{f.kind} {f.target}@step{f.steps_at_fire} (rejoined={f.rejoined}, progressed={f.progressed})' for f in not_survived)}" if not_survived else "")
         + (f"; {len(faults) - len(injected)} planned faults not injected (the job ended first)" if len(injected) < len(faults) else ""),
     ))  # fmt: skip
-    for kind, wanted in (("broker", args.broker_kills), ("trainer", args.trainer_kills)):
+    for kind, wanted in (("broker", args.broker_kills), ("trainer", args.trainer_kills), ("job", args.job_kills)):
         if wanted:
             done = sum(1 for f in injected if f.kind == kind)
             checks.append(_check(f"{kind}_kill_injected", done == wanted, f"{done}/{wanted} {kind} kills injected"))
@@ -799,7 +959,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker-restart-delay", type=float, default=2.0)
     p.add_argument("--trainer-kills", type=int, help="SIGKILLs of trainer rank 0 (restarted with --load latest); off by default")
     p.add_argument("--trainer-kill-at", type=float, default=0.7)
-    p.add_argument("--save-interval", type=int, default=2, help="checkpoint interval when the trainer is killed")
+    p.add_argument("--job-kills", type=int, help="SIGKILLs of the broker and trainer rank 0 together, off a checkpoint step (both restarted)")
+    p.add_argument("--job-kill-at", type=float, default=0.55, help="fraction of the steps after which broker and trainer are killed together")
+    p.add_argument("--save-interval", type=int, default=4, help="checkpoint interval when the trainer is killed")
     p.add_argument("--rejoin-window-s", type=float, help="a worker restarted this close to the end need not rejoin (ci 15, full 150)")
     p.add_argument("--min-restart-delay", type=float, default=0.5)
     p.add_argument("--max-restart-delay", type=float, default=3.0)
@@ -808,6 +970,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-window", type=int, help="steps averaged at each end for the reward-rise check")
     p.add_argument("--min-reward-gain", type=float)
     p.add_argument("--timeout", type=float, help="watchdog: seconds until everything is torn down (ci 240, full 1200)")
+    p.add_argument("--supervised", action="store_true", help="run the job under `vime run` and let its supervisor restart what is killed")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
@@ -829,7 +992,7 @@ class _Stop(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    chaos = Chaos(args)
+    chaos = SupervisedChaos(args) if args.supervised else Chaos(args)
     started = time.monotonic()
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -855,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
-        forced = teardown(chaos.procs)
+        forced = teardown(chaos.procs, grace_s=25.0 if args.supervised else 3.0)  # vime run stops its children itself
         if forced:
             chaos.say(f"teardown had to SIGKILL: {', '.join(forced)}")
         for sig, handler in previous.items():

@@ -120,16 +120,19 @@ def test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks(tiny_model: Pat
 
 
 @pytest.mark.e2e
-def test_a_failing_worker_stops_the_whole_job_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_worker_that_keeps_failing_is_restarted_then_stops_the_job_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
     bad_reward = tmp_path / "bad_reward.py"
     bad_reward.write_text("def score(prompt, response, label, metadata):\n    return 1.0\n")
     result = vime_run(
         tmp_path / "run", tiny_model, "--rm-type", "custom", "--custom-rm-path", f"{bad_reward}:no_such_function",
-        "--rollout-engine", "hf", "--num-rollout", "2", timeout=180,
+        "--rollout-engine", "hf", "--num-rollout", "2", "--max-restarts", "1", "--restart-backoff-s", "0.2", timeout=180,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "reward-0 exited with code" in result.stderr
+    assert "reward-0 exited with code 1 after" in result.stderr and "restarting reward-0 in 0.2 s" in result.stderr
+    assert "it kept failing: 1 restart(s) in a row died within --restart-window-s 120 (--max-restarts 1)" in result.stderr
     assert "no_such_function" in result.stderr
+    log = (tmp_path / "run" / "logs" / "reward-0.log").read_text()
+    assert log.count("--- vime: reward-0 started") == 2, "the restart's log did not follow the first one's"
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "child processes survived the launcher"
 

@@ -41,7 +41,7 @@ def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path: Path) -> Non
     launcher_code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from vime.launcher import Child
+        from vime.process import Child
         child = Child("sleeper", [sys.executable, "-c", {child_code!r}], {{}}, Path({str(tmp_path / "child.log")!r}))
         child.start()
         time.sleep(60)

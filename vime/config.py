@@ -216,6 +216,19 @@ class VimeConfig(BaseModel):
     journal_fsync_interval_s: float = Field(1.0, gt=0.0)
     journal_compact_bytes: int = Field(256 << 20, ge=1 << 16, description="compact the journal when it grows past this")
 
+    # --- supervision under `vime run` (vime/supervisor.py, docs/reliability.md) -------------------
+    supervise: bool = Field(
+        True, description="`vime run` restarts a process that dies: a worker as it was, the broker from its journal, "
+        "the trainer ranks with --load latest; off: the first death stops the job",
+    )  # fmt: skip
+    max_restarts: int = Field(
+        3, ge=0, description="restarts in a row that may fail (die within --restart-window-s) before the job stops",
+    )  # fmt: skip
+    restart_backoff_s: float = Field(1.0, ge=0.0, description="wait before the first restart; doubled for each failed one (at most 30 s)")
+    restart_window_s: float = Field(
+        120.0, gt=0.0, description="a restarted process that lives this long has recovered: its failed-restart count resets",
+    )  # fmt: skip
+
     # --- network ---------------------------------------------------------------------------------
     broker_address: str = Field("tcp://127.0.0.1:5555", description="where workers reach the broker")
     broker_bind: str | None = Field(None, description="what the broker binds (default: broker_address)")

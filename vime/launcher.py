@@ -2,91 +2,32 @@
 
 Starts the broker, rollout workers, reward workers and trainer ranks as separate child processes, each
 with its own log file under RUN_DIR/logs, all reading the same resolved config (RUN_DIR/config.yaml).
-It shows a progress bar from RUN_DIR/metrics.jsonl, and stops every child cleanly (SIGTERM, then
-SIGKILL after a grace period) on Ctrl-C, when the trainer finishes, or as soon as any child fails,
-naming the one that failed and showing the end of its log.
+It shows a progress bar from RUN_DIR/metrics.jsonl; `vime.supervisor` restarts a child that dies. It
+stops every child cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C, when the trainer
+finishes, or when the supervisor gives up on a child, naming it and showing the end of its log.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tqdm import tqdm
 
 from vime.config import VimeConfig
 from vime.logging import get_logger
+from vime.process import Child
+from vime.supervisor import JobFailed, Supervisor
 
 log = get_logger(__name__)
 
 GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    log_handle: IO[bytes] | None = field(default=None, repr=False)
-
-    def start(self) -> None:
-        self.log_handle = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=self.log_handle, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=terminate_with_parent,
-        )  # fmt: skip
-
-    def poll(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def signal(self, sig: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, sig)  # the whole group: vLLM starts its own children
-            except ProcessLookupError:
-                pass
-
-    def kill(self, wait_s: float) -> None:
-        """SIGKILL the process group and reap it (waiting at most `wait_s`)."""
-        self.signal(signal.SIGKILL)
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-def die_with_parent(sig: int) -> None:
-    """In a child, before exec (Linux): receive `sig` when the process that started it dies, even by
-    SIGKILL. A launcher killed hard must not leave a broker bound to its port or an engine holding GPUs."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig)
-    except OSError:  # not Linux: the launcher's own teardown is all there is
-        pass
-
-
-def terminate_with_parent() -> None:
-    """`die_with_parent(SIGTERM)`: the child leaves cleanly (workers say Bye, the broker closes its journal)."""
-    die_with_parent(signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -147,6 +88,7 @@ class ProgressView:
         self.metrics_path = metrics_path
         self.offset = 0
         self.records: list[dict[str, Any]] = []
+        self.steps: set[Any] = set()
         self.bar = tqdm(total=total, desc="vime", unit="step", disable=not enabled, dynamic_ncols=True)
 
     def refresh(self) -> None:
@@ -162,6 +104,9 @@ class ProgressView:
             self.records.append(record)
             if any(key.startswith("eval/") for key in record):
                 continue  # an eval run's line, not a step
+            if record.get("step") in self.steps:
+                continue  # a step replayed by a restarted trainer
+            self.steps.add(record.get("step"))
             self.bar.update(1)
             self.bar.set_postfix(
                 reward=f"{record.get('rollout/raw_reward', 0):.3f}",
@@ -202,14 +147,20 @@ def run_job(
     config_path = cfg.run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     metrics_path = cfg.run_dir / "metrics.jsonl"
-    if cfg.load is None:  # a resumed job appends to its logs
+    if cfg.load is None:  # a resumed job appends to its metrics and process logs
         metrics_path.unlink(missing_ok=True)
         (cfg.run_dir / "trained_groups.jsonl").unlink(missing_ok=True)
+        for old_log in (cfg.run_dir / "logs").glob("*.log"):
+            old_log.unlink()
     (cfg.run_dir / "status.json").unlink(missing_ok=True)
     _set_aside_unfinished_job(cfg)
 
     children = plan_children(cfg, config_path)
     view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress)
+    supervisor = Supervisor(
+        children, cfg, say=lambda text: tqdm.write(f"vime: {text}", file=sys.stderr),
+        new_rendezvous_port=free_port, has_checkpoint=lambda: _has_checkpoint(cfg),
+    )  # fmt: skip
     stop = {"signal": 0}
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -219,9 +170,7 @@ def run_job(
     started = time.monotonic()
     exit_code = 0
     try:
-        for child in children:
-            child.start()
-            log.info("child_started", name=child.name, pid=child.process.pid if child.process else None, log=str(child.log_path))
+        supervisor.start(time.monotonic())
         trainer0 = next(c for c in children if c.name == "trainer-0")
         while True:
             time.sleep(0.5)
@@ -230,19 +179,19 @@ def run_job(
                 log.warning("interrupted", signal=stop["signal"])
                 exit_code = 130
                 break
-            failed = [c for c in children if c.poll() not in (None, 0)]
-            if failed:
-                child = failed[0]
-                tqdm.write(
-                    f"\nvime: {child.name} exited with code {child.poll()}; stopping the job. End of {child.log_path}:\n{child.tail()}\n",
-                    file=sys.stderr,
-                )
-                log.error("child_failed", name=child.name, code=child.poll(), log=str(child.log_path))
-                exit_code = 1
-                break
             if trainer0.poll() == 0:
                 exit_code = 0
                 _wait_for(children, GRACE_S)  # the broker tells the workers to shut down
+                break
+            try:
+                supervisor.check(time.monotonic())
+            except JobFailed as failure:
+                tqdm.write(
+                    f"\nvime: {failure.reason}; stopping the job. End of {failure.child.log_path}:\n{failure.child.tail()}\n",
+                    file=sys.stderr,
+                )
+                log.error("child_failed", name=failure.child.name, code=failure.code, reason=failure.reason, log=str(failure.child.log_path))
+                exit_code = 1
                 break
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 log.error("job_timeout", seconds=timeout_s)
@@ -253,6 +202,8 @@ def run_job(
         view.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if supervisor.restarts():
+        log.info("restarts", **supervisor.restarts())
     summary = _finish_report(cfg, view.records)
     if exit_code == 0 and min_reward_gain is not None:
         exit_code = _learning_verdict(summary, min_reward_gain)
@@ -284,6 +235,16 @@ def _set_aside_unfinished_job(cfg: VimeConfig) -> None:
         log.warning("previous_journal_set_aside", journal=str(kept), hint="to resume that job instead, run with --load latest")
 
 
+def _has_checkpoint(cfg: VimeConfig) -> bool:
+    from vime.trainer.checkpoint import CheckpointError, find_checkpoint
+
+    try:
+        find_checkpoint("latest", cfg.checkpoint_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
 def _wait_for(children: list[Child], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(c.poll() is None for c in children):
@@ -298,9 +259,8 @@ def stop_children(children: list[Child]) -> None:
     for child in children:
         if child.poll() is None:
             log.warning("child_killed", name=child.name)
-        child.kill(wait_s=5)
-        if child.log_handle is not None:
-            child.log_handle.close()
+        child.kill(wait_s=5)  # the group too: what a child that exited left running (vLLM engines)
+        child.close_log()
 
 
 def _finish_report(cfg: VimeConfig, records: list[dict[str, Any]]) -> dict[str, Any] | None:

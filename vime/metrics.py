@@ -31,7 +31,9 @@ def is_eval_record(record: dict[str, Any]) -> bool:
 
 
 def training_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if not is_eval_record(r)]
+    """One line per training step in step order; a step a restarted trainer replayed counts once (its last line)."""
+    by_step = {r["step"]: r for r in records if not is_eval_record(r)}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def eval_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
