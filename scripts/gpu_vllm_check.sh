@@ -15,6 +15,11 @@ export PYTHONPATH="/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFE
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out="${OUT:-/tmp/vime-gpu}"; mkdir -p "$out"
+# vime runs from the checkout here, not installed: give importlib.metadata its entry points, so that
+# vLLM's spawned engine processes load vime's owner watch (they must die with their rollout worker).
+meta=/tmp/vllm-site/vime-0.0.0.dist-info; mkdir -p "$meta"
+printf 'Metadata-Version: 2.1\nName: vime\nVersion: 0.0.0\n' > "$meta/METADATA"
+sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml | sed 's/^\[project.entry-points."\(.*\)"\]/[\1]/' | tr -d '"' > "$meta/entry_points.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, torch, transformers, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__)' || exit 1
 status=0
@@ -31,7 +36,7 @@ for part in "${@:-tests}"; do
   case "$part" in
   tests)
     timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_vllm_versions.py \
-      tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py tests/test_colocate.py \
+      tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py tests/test_colocate.py tests/test_vllm_owner_watch.py \
       "tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks" \
       "tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc" \
       2>&1 | tee "$out/pytest_vllm.log" || status=1

@@ -82,3 +82,64 @@ def test_vllm_finds_the_owner_watch_among_its_general_plugins() -> None:
     from vime.rollout.vllm_owner_watch import watch_owner
 
     assert plugins.get("vime_owner_watch") is watch_owner
+
+
+# A real vLLM engine in a process of its own, SIGKILLed as a crashed rollout worker would be.
+ENGINE_OWNER = textwrap.dedent("""
+    import asyncio, os, sys
+    from pathlib import Path
+
+    def descendants(pid):
+        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+        return kids + [d for k in kids for d in descendants(k)]
+
+    async def main():
+        import torch
+        from vime.rollout.vllm_engine import VllmRolloutEngine
+
+        args = {"dtype": "bfloat16", "max-model-len": 128, "enforce_eager": True}
+        if torch.cuda.is_available():
+            args["gpu_memory_utilization"] = 0.2
+        engine = VllmRolloutEngine(sys.argv[1], engine_args=args)
+        await engine.start()
+        open(sys.argv[2], "w").write(" ".join(map(str, descendants(os.getpid()))))
+        await asyncio.sleep(300)
+
+    if __name__ == "__main__":  # vLLM may spawn its engine core, which imports this module again
+        asyncio.run(main())
+""")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_sigkilled_owner_takes_its_vllm_engine_processes_with_it(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from vime.demo.model_factory import make_tiny_qwen3
+
+    model = make_tiny_qwen3(tmp_path / "m", seed=0, max_position_embeddings=128)
+    script, pids_file = tmp_path / "engine_owner.py", tmp_path / "engine.pids"
+    script.write_text(ENGINE_OWNER)
+    env = run_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
+    owner = subprocess.Popen([sys.executable, str(script), str(model), str(pids_file)], cwd=REPO, env=env, start_new_session=True)
+    engine_pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (pids_file.exists() and pids_file.read_text()):
+            assert owner.poll() is None, "the engine's owner died while starting vLLM"
+            assert time.monotonic() < deadline, "vLLM did not start"
+            time.sleep(0.5)
+        engine_pids = [int(p) for p in pids_file.read_text().split()]
+        assert engine_pids, "vLLM started no process of its own"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in engine_pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in engine_pids if _alive(pid)] == [], "vLLM engine processes outlived their SIGKILLed owner"
+    finally:
+        owner.kill()
+        for pid in engine_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
