@@ -423,10 +423,8 @@ class Chaos:
 
     # -- the loop --
     def run(self) -> None:
-        for p in self.procs:
-            p.start()
+        self._start_job()
         deadline = self.t0 + self.args.timeout
-        trainer = self.proc("trainer-0")
         pending = list(self.faults)
         while True:
             time.sleep(0.2)
@@ -436,20 +434,31 @@ class Chaos:
                 self.say(f"watchdog: the job did not finish within {self.args.timeout:.0f} s")
                 return
             steps = self.steps_done()
-            self._restart_due(now)
-            for p in self.procs:
-                if p.kind in WORKER_KINDS and p.alive:
-                    self.has_joined(p)  # measures join latency as it happens
-            code = trainer.poll()
-            if code is not None and not trainer.killed:
-                self.trainer_exit = code
-                self.end_s = self.now()
-                self.say(f"trainer-0 exited with code {code} after {steps} steps")
-                if code == 0:
-                    self._wait_for_broker_exit()
+            if self._job_over(now, steps):
                 return
-            self._check_unexpected_exits(now, steps)
             self._fire_due(pending, now, steps)
+
+    def _start_job(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def _job_over(self, now: float, steps: int) -> bool:
+        """Restarts what is due and watches the processes; True once trainer rank 0 has exited."""
+        self._restart_due(now)
+        for p in self.procs:
+            if p.kind in WORKER_KINDS and p.alive:
+                self.has_joined(p)  # measures join latency as it happens
+        trainer = self.proc("trainer-0")
+        code = trainer.poll()
+        if code is not None and not trainer.killed:
+            self.trainer_exit = code
+            self.end_s = self.now()
+            self.say(f"trainer-0 exited with code {code} after {steps} steps")
+            if code == 0:
+                self._wait_for_broker_exit()
+            return True
+        self._check_unexpected_exits(now, steps)
+        return False
 
     def _fire_due(self, pending: list[Fault], now: float, steps: int) -> None:
         if pending and now >= self.busy_until and steps >= pending[0].at_step:
@@ -680,28 +689,20 @@ class SupervisedChaos(Chaos):
     def processes(self) -> dict[str, dict[str, Any]]:
         return read_json(self.run_dir / "processes.json") or {}
 
-    def run(self) -> None:
+    def _start_job(self) -> None:
         self.launcher.start()
         self.awaiting_join = {name: (0, time.monotonic()) for name in self._worker_names()}
-        deadline = self.t0 + self.args.timeout
-        pending = list(self.faults)
-        while True:
-            time.sleep(0.2)
-            now = time.monotonic()
-            if now > deadline:
-                self.timed_out = True
-                self.say(f"watchdog: the job did not finish within {self.args.timeout:.0f} s")
-                return
-            steps = self.steps_done()
-            self._note_restarts()
-            self._note_joins(now)
-            code = self.launcher.poll()
-            if code is not None:
-                self.trainer_exit = code  # vime run exits 0 only when the trainer finished
-                self.end_s = self.now()
-                self.say(f"vime run exited with code {code} after {steps} steps\n{self.launcher.tail(8)}")
-                return
-            self._fire_due(pending, now, steps)
+
+    def _job_over(self, now: float, steps: int) -> bool:
+        self._note_restarts()
+        self._note_joins(now)
+        code = self.launcher.poll()
+        if code is None:
+            return False
+        self.trainer_exit = code  # vime run exits 0 only when the trainer finished
+        self.end_s = self.now()
+        self.say(f"vime run exited with code {code} after {steps} steps\n{self.launcher.tail(8)}")
+        return True
 
     def _worker_names(self) -> list[str]:
         cfg = self.cfg

@@ -45,25 +45,25 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def test_engine_processes_die_when_their_owner_is_sigkilled(tmp_path: Path) -> None:
-    script, pids_file = tmp_path / "owner.py", tmp_path / "children.pids"
-    script.write_text(OWNER)
-    owner = subprocess.Popen([sys.executable, str(script), str(pids_file)], cwd=REPO, env=run_env(), start_new_session=True)
+def _sigkill_owner_then_survivors(argv: list[str], pids_file: Path, env: dict[str, str], start_s: float) -> list[int]:
+    """Start the owner, wait until it wrote its children's pids, SIGKILL the owner alone (not its
+    process group: as a crash would), and return the children still alive 20 s later."""
+    owner = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_s
         while not (pids_file.exists() and pids_file.read_text()):
-            assert owner.poll() is None, "the owner died before starting its children"
-            assert time.monotonic() < deadline, "the owner did not start its children"
-            time.sleep(0.1)
+            assert owner.poll() is None, "the owner died before its children were up"
+            assert time.monotonic() < deadline, "the owner's children did not start"
+            time.sleep(0.2)
         children = [int(p) for p in pids_file.read_text().split()]
-        assert all(_alive(pid) for pid in children)
-        owner.send_signal(signal.SIGKILL)  # the owner only, not its process group: as a crash would
+        assert children and all(_alive(pid) for pid in children)
+        owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in children if _alive(pid)] == [], "an engine process outlived its owner (fork, spawn)"
+            time.sleep(0.2)
+        return [pid for pid in children if _alive(pid)]
     finally:
         owner.kill()
         for pid in children:
@@ -71,6 +71,13 @@ def test_engine_processes_die_when_their_owner_is_sigkilled(tmp_path: Path) -> N
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_engine_processes_die_when_their_owner_is_sigkilled(tmp_path: Path) -> None:
+    script, pids_file = tmp_path / "owner.py", tmp_path / "children.pids"
+    script.write_text(OWNER)
+    survivors = _sigkill_owner_then_survivors([sys.executable, str(script), str(pids_file)], pids_file, run_env(), start_s=60)
+    assert survivors == [], "a process outlived its owner (fork, spawn)"
 
 
 @pytest.mark.vllm
@@ -120,26 +127,6 @@ def test_a_sigkilled_owner_takes_its_vllm_engine_processes_with_it(tmp_path: Pat
     script, pids_file = tmp_path / "engine_owner.py", tmp_path / "engine.pids"
     script.write_text(ENGINE_OWNER)
     env = run_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
-    owner = subprocess.Popen([sys.executable, str(script), str(model), str(pids_file)], cwd=REPO, env=env, start_new_session=True)
-    engine_pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 240
-        while not (pids_file.exists() and pids_file.read_text()):
-            assert owner.poll() is None, "the engine's owner died while starting vLLM"
-            assert time.monotonic() < deadline, "vLLM did not start"
-            time.sleep(0.5)
-        engine_pids = [int(p) for p in pids_file.read_text().split()]
-        assert engine_pids, "vLLM started no process of its own"
-        owner.send_signal(signal.SIGKILL)
-        owner.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in engine_pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [pid for pid in engine_pids if _alive(pid)] == [], "vLLM engine processes outlived their SIGKILLed owner"
-    finally:
-        owner.kill()
-        for pid in engine_pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    argv = [sys.executable, str(script), str(model), str(pids_file)]
+    survivors = _sigkill_owner_then_survivors(argv, pids_file, env, start_s=240)
+    assert survivors == [], "vLLM engine processes outlived their SIGKILLed owner"
