@@ -145,8 +145,11 @@ def server_stats(base: str) -> Counter[str]:
 
 
 def settings(*urls: str, **kw) -> RemoteRewardSettings:
-    """Fast retries so the fault cases take fractions of a second; a breaker only where a test wants one."""
-    base = dict(urls=list(urls), timeout_s=2.0, retries=2, backoff_initial_s=0.01, backoff_max_s=0.05, breaker_failures=1000)
+    """Fast retries so the fault cases take fractions of a second; a breaker only where a test wants one.
+    `max_wait_s=0`: a request that fails after its retries fails its samples at once, so these tests see
+    how each fault is classified (the reward worker instead waits for the server: test_reward_outage.py)."""
+    base = dict(urls=list(urls), timeout_s=2.0, retries=2, backoff_initial_s=0.01, backoff_max_s=0.05, breaker_failures=1000,
+                max_wait_s=0.0)  # fmt: skip
     base.update(kw)
     return RemoteRewardSettings(**base)
 

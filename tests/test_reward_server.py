@@ -191,7 +191,8 @@ def test_unscorable_samples_are_failed_with_the_reason_in_every_format(server: S
 
 def test_wrong_or_missing_token_is_refused_and_reported(server: Server) -> None:
     for token in ("wrong", None):
-        results, stats = score(f"{server.url}/slime/arithmetic", "slime", [item("1", "1")], token=token)
+        # max_wait_s=0: fail at once; the reward worker would wait (and warn) until the token works.
+        results, stats = score(f"{server.url}/slime/arithmetic", "slime", [item("1", "1")], token=token, max_wait_s=0.0)
         assert results[0].failed and "HTTP 401" in results[0].reason and "bearer token" in results[0].reason
         assert stats["rm_requests"] == 1  # not retried
     status, body = post(f"{server.url}/slime/arithmetic", b'{"prompt": "", "response": "1", "label": "1"}', token="nope")

@@ -1,9 +1,12 @@
 """`vime-worker --role reward`: scores generated groups with a built-in, custom or remote reward.
 
-Each sample gets a reward or is marked failed with a reason (an exception in a custom function, a
-timeout, a reward server that cannot be reached); a failed sample is never scored 0 silently: the
-broker leaves it out of training and counts it. Scoring runs off the event loop so heartbeats and new
-work keep flowing while slow reward functions or servers work.
+Each sample gets a reward or is marked failed with a reason that is the sample's own (an exception in
+a custom function, no label, a reward server that answers others but not this one); a failed sample is
+never scored 0 silently: the broker leaves it out of training and counts it. A reward server that is
+down, overloaded or refusing everyone fails nothing: the groups wait here, still leased, and are scored
+once it answers (`reward_server_unavailable` warnings say which URL and for how long; heartbeats carry
+`rm_samples_waiting` and `rm_outage_s`). Scoring runs off the event loop so heartbeats and new work keep
+flowing while slow reward functions or servers work.
 
 Each `ScoreGroups` message is scored as one batch (so remote batch formats fill their requests) and
 answered with one `GroupsScored` plus the credits it used. With `--rm-type remote_rm` the samples go

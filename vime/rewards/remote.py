@@ -1,25 +1,41 @@
 """The reward worker's client for remote reward servers (`--rm-type remote_rm --rm-url URL[,URL...]`).
 
 `RemoteReward.score_batch(items)` returns exactly one `RewardResult` per item, in order, always: a
-sample whose reward cannot be had is a *failed* result whose reason names the server and the problem
-(it is left out of training by the broker and counted), never a silent 0 and never an exception.
+sample whose reward cannot be had *because of the sample* is a failed result whose reason names the
+server and the problem (it is left out of training by the broker and counted), never a silent 0 and
+never an exception. A sample whose reward cannot be had *because of the server* waits (see Outages).
 
 How a request is made (see `docs/reward-servers.md` for the outcome table):
 - Samples go out one per request (slime) or in batches of `batch_size` (openrlhf, vime) over one pooled
-  aiohttp session; at most `concurrency` requests are in flight, each bounded by `timeout_s`.
-- Several URLs share the load: each request goes to the healthy server with the fewest requests in
-  flight, and a retry prefers a different server than the one that just failed.
+  aiohttp session (connections are kept alive where the server allows it), each bounded by `timeout_s`.
+- How many requests are in flight to each server adapts to what it sustains (`vime.rewards.limit`:
+  AIMD from `initial_concurrency`, growing while round trips hold, halving on connect stalls, timeouts
+  and overload answers), at most `concurrency` in all. A twenty-line standard-library server and a big
+  one both work at the defaults.
+- Several URLs share the load: each request goes to the healthy server with the most free room, and a
+  retry prefers a different server than the one that just failed.
 - Timeouts, dropped connections, HTTP 408/429/5xx and malformed JSON are retried `retries` times with
   exponential backoff and jitter (tenacity). HTTP 401/403 (token), other 4xx and replies of the wrong
-  shape are not retried: they will not get better by asking again.
+  shape are not retried at once: asking again right away will not help.
 - Each URL has a circuit breaker (purgatory): after `breaker_failures` consecutive failed requests it
-  opens for `breaker_reset_s` seconds, during which no request goes to that server; when every server's
-  circuit is open, samples fail at once with reason "circuit open" instead of waiting on a dead server.
-  After the pause requests go through again: the first failure reopens the circuit, a success closes it.
+  opens for `breaker_reset_s` seconds, during which no request goes to that server. After the pause
+  requests go through again: the first failure reopens the circuit, a success closes it.
 
-Counters for the worker's heartbeat (`stats()`): requests, retries, circuits opened, and failed samples
-by kind (timeout, connection, http_5xx, http_408, http_429, malformed, auth, rejected, bad_reply,
-circuit_open, internal; `unscorable` when the server answered but gave that sample no usable reward).
+Outages cost time, not data. When a request still fails after its retries, its samples fail only if the
+failure is the samples' own: the server was reached and answered something other than "overloaded"
+(a 500, a dropped connection, a wrong reply, a timeout after connecting) for `sample_fault_rounds`
+rounds in a row while it answered most other requests. Otherwise (nothing listening, every circuit open,
+timeouts while connecting, 408/429/502/503/504, a wrong token that fails everything) the samples wait
+and the request is tried again with backoff until the servers answer (or, with `max_wait_s`, until that
+long has passed). While they wait, `reward_server_unavailable` warnings (at most one per URL every
+`warn_interval_s`) name the URL, how long it has been failing, the last error and how many samples wait;
+`reward_server_back` says when it answers again.
+
+Counters for the worker's heartbeat (`stats()`): requests, retries, circuits opened, holds (rounds that
+waited), samples waiting, outage seconds, the adaptive limit, connect stalls and limit cuts, and failed
+samples by kind (timeout, connection, http_5xx, http_408, http_429, malformed, auth, rejected,
+bad_reply, circuit_open, internal; `unscorable` when the server answered but gave that sample no usable
+reward).
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ import itertools
 import json
 import os
 import random
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from vime.logging import get_logger
+from vime.rewards.limit import AdaptiveLimit, Outcome
 from vime.rewards.types import RewardResult
 from vime.rewards.wire import (
     FORMATS,
@@ -57,6 +75,8 @@ log = get_logger(__name__)
 # A reply body larger than this is a broken server, not a reward (64 MiB covers huge batches of extras).
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 _ERROR_TEXT_CHARS = 300
+# Statuses with which a server says it cannot take the request now: never a sample's fault.
+OVERLOAD_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
 class RemoteRewardSettings(BaseModel):
@@ -76,6 +96,15 @@ class RemoteRewardSettings(BaseModel):
     backoff_initial_s: float = Field(0.5, gt=0.0)
     backoff_max_s: float = Field(10.0, gt=0.0)
     token: SecretStr | None = None
+    # Requests in flight per server start here and adapt up to `concurrency` (False: always `concurrency`).
+    initial_concurrency: int = Field(4, ge=1)
+    adaptive_concurrency: bool = True
+    # How long samples whose request failed for a reason outside them wait for the servers; None: until
+    # they answer (the reward worker). A script that must not wait sets a bound; 0 gives up at once.
+    max_wait_s: float | None = Field(None, ge=0.0)
+    # Rounds of retries a sample must fail, while the server answers others, to count as its own fault.
+    sample_fault_rounds: int = Field(2, ge=1)
+    warn_interval_s: float = Field(10.0, gt=0.0)
 
     @classmethod
     def from_config(cls, cfg: Any, environ: Mapping[str, str] | None = None) -> RemoteRewardSettings:
@@ -97,13 +126,66 @@ class RemoteRewardSettings(BaseModel):
 
 
 class RewardServerError(Exception):
-    """One failed request: `kind` classifies it for metrics, `retryable` says whether asking again can help."""
+    """One failed request: `kind` classifies it for metrics, `retryable` says whether asking again at once
+    can help, `reached` whether the server was reached at all, `status` its HTTP status if it answered."""
 
-    def __init__(self, kind: str, message: str, *, retryable: bool, url: str | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, *, retryable: bool, url: str | None = None, reached: bool = True,
+        status: int | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.kind = kind
         self.retryable = retryable
         self.url = url
+        self.reached = reached
+        self.status = status
+
+    @property
+    def may_be_the_samples(self) -> bool:
+        """Could the samples have caused this? Not if the server was never reached or said it is busy."""
+        return self.reached and self.kind != "circuit_open" and self.status not in OVERLOAD_STATUSES
+
+
+class _Chunk:
+    """Bookkeeping for the requests of one chunk of samples while it fails and waits."""
+
+    __slots__ = ("first_failure", "ok_mark", "fail_mark", "fails", "rounds", "fault_rounds")
+
+    def __init__(self) -> None:
+        self.first_failure: float | None = None
+        self.ok_mark = 0  # the client's success count at the chunk's first failure
+        self.fail_mark = 0  # the client's failure count just before it
+        self.fails = 0  # the chunk's own failed requests
+        self.rounds = 0  # rounds of retries that failed
+        self.fault_rounds = 0  # of which, in a row, looked like the samples' own fault
+
+
+class _Trace:
+    """Filled in by aiohttp's trace hooks for one request: was a connection made, and how long it took."""
+
+    __slots__ = ("connect_started", "connect_s", "connected")
+
+    def __init__(self) -> None:
+        self.connect_started = 0.0
+        self.connect_s: float | None = None
+        self.connected = False
+
+
+async def _on_connect_start(_session: Any, ctx: Any, _params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, _Trace):
+        ctx.trace_request_ctx.connect_started = time.monotonic()
+
+
+async def _on_connect_end(_session: Any, ctx: Any, _params: Any) -> None:
+    trace = ctx.trace_request_ctx
+    if isinstance(trace, _Trace):
+        trace.connect_s = time.monotonic() - trace.connect_started
+        trace.connected = True
+
+
+async def _on_connect_reuse(_session: Any, ctx: Any, _params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, _Trace):
+        ctx.trace_request_ctx.connected = True
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -122,9 +204,25 @@ class RemoteReward:
             raise ValueError(f"unknown reward wire format {settings.fmt!r}; known: {', '.join(FORMATS)}")
         self.settings = settings
         self._session: aiohttp.ClientSession | None = None
-        self._limit = asyncio.Semaphore(settings.concurrency)
+        self._cap = asyncio.Semaphore(settings.concurrency)
+        self.limits: dict[str, AdaptiveLimit] = {
+            url: AdaptiveLimit(
+                settings.concurrency,
+                settings.initial_concurrency if settings.adaptive_concurrency else settings.concurrency,
+                adaptive=settings.adaptive_concurrency,
+            )
+            for url in settings.urls
+        }
         self._in_flight: dict[str, int] = dict.fromkeys(settings.urls, 0)
         self._last_error: dict[str, str] = {}
+        self._last_kind: dict[str, str] = {}
+        # Outages: since when each URL has failed without a success, whether that was warned about.
+        self._down_since: dict[str, float | None] = dict.fromkeys(settings.urls)
+        self._warned: dict[str, bool] = dict.fromkeys(settings.urls, False)
+        self._next_warn: dict[str, float] = dict.fromkeys(settings.urls, 0.0)
+        self._ok_count = 0
+        self._fail_count = 0
+        self._waiting = 0
         # A random start spreads several reward workers over the URLs from their first request on.
         self._turn = itertools.count(random.randrange(len(settings.urls)))
         self._breakers = AsyncCircuitBreakerFactory(
@@ -149,11 +247,16 @@ class RemoteReward:
             if self.settings.token is not None:
                 headers["Authorization"] = f"Bearer {self.settings.token.get_secret_value()}"
             connector = aiohttp.TCPConnector(limit=self.settings.concurrency, limit_per_host=0, ttl_dns_cache=300)
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_create_start.append(_on_connect_start)
+            trace.on_connection_create_end.append(_on_connect_end)
+            trace.on_connection_reuseconn.append(_on_connect_reuse)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s),
                 raise_for_status=False,
+                trace_configs=[trace],
             )
         return self._session
 
@@ -188,22 +291,60 @@ class RemoteReward:
         return results
 
     async def _score_chunk(self, items: Sequence[ScoreItem]) -> list[RewardResult]:
+        chunk = _Chunk()
+        waiting = False
         try:
             payload = json.dumps(encode_request(self.settings.fmt, items), ensure_ascii=False, default=str).encode()
-            results = await self._request_with_retries(payload, items)
-        except RewardServerError as exc:
-            log.warning("reward_request_failed", kind=exc.kind, url=exc.url, samples=len(items), error=str(exc))
-            return [RewardResult.failure(str(exc), reward_error=exc.kind) for _ in items]
+            while True:
+                try:
+                    results = await self._request_with_retries(payload, items, chunk)
+                    break
+                except RewardServerError as exc:
+                    if self._samples_at_fault(exc, chunk):
+                        log.warning("reward_request_failed", kind=exc.kind, url=exc.url, samples=len(items), error=str(exc))
+                        return [RewardResult.failure(str(exc), reward_error=exc.kind) for _ in items]
+                    if not waiting:
+                        waiting = True
+                        self._waiting += len(items)
+                    self.counts["holds"] += 1
+                    self._warn_waiting()
+                    await asyncio.sleep(self._hold_delay(chunk.rounds))
         except Exception as exc:  # a bug here must still give every sample an answer
             log.exception("reward_client_error", samples=len(items))
             reason = f"reward client error: {type(exc).__name__}: {exc}"
             return [RewardResult.failure(reason, reward_error="internal") for _ in items]
+        finally:
+            if waiting:
+                self._waiting -= len(items)
         if len(results) != len(items):  # decode_reply guarantees this; keep the promise even if it broke
             reason = f"reward client got {len(results)} results for {len(items)} samples"
             return [RewardResult.failure(reason, reward_error="internal")] * len(items)
         return results
 
-    async def _request_with_retries(self, payload: bytes, items: Sequence[ScoreItem]) -> list[RewardResult]:
+    def _samples_at_fault(self, exc: RewardServerError, chunk: _Chunk) -> bool:
+        """After a failed round of retries: fail these samples (True), or let them wait (False)?
+
+        They fail when the failure looks like theirs for `sample_fault_rounds` rounds in a row: the
+        server was reached and did not say it was busy, and since this chunk first failed it answered
+        more other requests than it failed. They also fail once `max_wait_s` has passed.
+        """
+        s = self.settings
+        chunk.rounds += 1
+        if s.max_wait_s is not None and time.monotonic() - (chunk.first_failure or 0.0) >= s.max_wait_s:
+            return True
+        others_ok = self._ok_count - chunk.ok_mark
+        others_failed = self._fail_count - chunk.fail_mark - chunk.fails
+        if exc.may_be_the_samples and others_ok > others_failed:
+            chunk.fault_rounds += 1
+        else:
+            chunk.fault_rounds = 0
+        return chunk.fault_rounds >= s.sample_fault_rounds
+
+    def _hold_delay(self, rounds: int) -> float:
+        s = self.settings
+        return min(s.backoff_max_s, s.backoff_initial_s * 2.0 ** min(rounds - 1, 30)) + random.uniform(0.0, s.backoff_initial_s)
+
+    async def _request_with_retries(self, payload: bytes, items: Sequence[ScoreItem], chunk: _Chunk) -> list[RewardResult]:
         s = self.settings
         last_url: list[str | None] = [None]
         retrying = AsyncRetrying(
@@ -216,10 +357,12 @@ class RemoteReward:
         results: list[RewardResult] = []
         async for attempt in retrying:
             with attempt:
-                results = await self._attempt_any_url(payload, items, last_url)
+                results = await self._attempt_any_url(payload, items, last_url, chunk)
         return results
 
-    async def _attempt_any_url(self, payload: bytes, items: Sequence[ScoreItem], last_url: list[str | None]) -> list[RewardResult]:
+    async def _attempt_any_url(
+        self, payload: bytes, items: Sequence[ScoreItem], last_url: list[str | None], chunk: _Chunk
+    ) -> list[RewardResult]:
         """Send once, to the best URL whose circuit lets it through; raises `RewardServerError`."""
         opened = []
         for url in self._candidates(avoid=last_url[0]):
@@ -227,55 +370,119 @@ class RemoteReward:
             try:
                 async with breaker:
                     last_url[0] = url
-                    return await self._post(url, payload, items)
+                    results = await self._post(url, payload, items)
             except OpenedState:
                 opened.append(url)
+                continue
             except RewardServerError as exc:
                 self._last_error[url] = str(exc)
+                self._last_kind[url] = exc.kind
+                self._note_failure(url, chunk)
                 raise
+            self._note_ok(url)
+            return results
         last = "; ".join(self._last_error[u] for u in opened if u in self._last_error)
+        self._note_failure(None, chunk)
         raise RewardServerError(
             "circuit_open",
             f"circuit open for every reward server ({', '.join(opened)}): each failed "
             f"{self.settings.breaker_failures} requests in a row, next trial within {self.settings.breaker_reset_s}s; "
             f"last error: {last or 'unknown'}",
             retryable=False,
+            reached=False,
         )
 
+    # -- outages -----------------------------------------------------------------------------------
+
+    def _note_failure(self, url: str | None, chunk: _Chunk) -> None:
+        now = time.monotonic()
+        if chunk.first_failure is None:
+            chunk.first_failure = now
+            chunk.ok_mark, chunk.fail_mark = self._ok_count, self._fail_count
+        chunk.fails += 1
+        self._fail_count += 1
+        if url is not None and self._down_since[url] is None:
+            self._down_since[url] = now
+
+    def _note_ok(self, url: str) -> None:
+        self._ok_count += 1
+        since = self._down_since[url]
+        if since is None:
+            return
+        if self._warned[url]:
+            log.warning("reward_server_back", url=url, down_s=round(time.monotonic() - since, 1), samples_waiting=self._waiting, console=True)
+        self._down_since[url] = None
+        self._warned[url] = False
+        self._next_warn[url] = 0.0
+
+    def _warn_waiting(self) -> None:
+        """Say which servers fail and for how long, at most once per URL every `warn_interval_s`."""
+        now = time.monotonic()
+        for url, since in self._down_since.items():
+            if since is None or now < self._next_warn[url]:
+                continue
+            self._next_warn[url] = now + self.settings.warn_interval_s
+            self._warned[url] = True
+            log.warning(
+                "reward_server_unavailable", url=url, down_s=round(now - since, 1), samples_waiting=self._waiting,
+                kind=self._last_kind.get(url), error=self._last_error.get(url), console=True,
+                waiting="samples wait and are scored once the server answers; none is dropped",
+            )  # fmt: skip
+
     def _candidates(self, avoid: str | None) -> list[str]:
-        """URLs in the order to try: fewest in flight first, round-robin among equals, `avoid` last."""
+        """URLs in the order to try: most free room first, round-robin among equals, `avoid` last."""
         urls = self.settings.urls
         start = next(self._turn) % len(urls)
         rotated = urls[start:] + urls[:start]
-        return sorted(rotated, key=lambda u: (u == avoid and len(urls) > 1, self._in_flight[u]))
+        return sorted(rotated, key=lambda u: (u == avoid and len(urls) > 1, self._in_flight[u] / self.limits[u].slots))
 
     async def _post(self, url: str, payload: bytes, items: Sequence[ScoreItem]) -> list[RewardResult]:
         session = self._open()
+        limit = self.limits[url]
+        trace = _Trace()
+        outcome, started = Outcome.NEUTRAL, None
         self._in_flight[url] += 1
+        ticket = None
         try:
-            async with self._limit:
+            ticket = await limit.acquire()
+            async with self._cap:
                 self.counts["requests"] += 1
+                started = time.monotonic()
                 try:
-                    async with session.post(url, data=payload) as resp:
+                    async with session.post(url, data=payload, trace_request_ctx=trace) as resp:
                         status = resp.status
                         if (resp.content_length or 0) > MAX_REPLY_BYTES:
                             raise RewardServerError(
                                 "bad_reply", f"reward server {url} announced a {resp.content_length}-byte reply "
-                                f"(limit {MAX_REPLY_BYTES})", retryable=False, url=url,
+                                f"(limit {MAX_REPLY_BYTES})", retryable=False, url=url, status=status,
                             )
                         body = await resp.read()
                 except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+                    outcome = Outcome.STALL
                     raise RewardServerError(
                         "timeout", f"reward server {url} did not answer within {self.settings.timeout_s}s",
-                        retryable=True, url=url,
+                        retryable=True, url=url, reached=trace.connected,
+                    ) from exc
+                except aiohttp.ClientConnectorError as exc:
+                    outcome = Outcome.OVERLOAD  # refused or reset while connecting
+                    raise RewardServerError(
+                        "connection", f"reward server {url}: {type(exc).__name__}: {exc or 'cannot connect'}",
+                        retryable=True, url=url, reached=False,
                     ) from exc
                 except aiohttp.ClientError as exc:
                     raise RewardServerError(
                         "connection", f"reward server {url}: {type(exc).__name__}: {exc or 'connection lost'}",
-                        retryable=True, url=url,
+                        retryable=True, url=url, reached=trace.connected,
                     ) from exc
+            if status in OVERLOAD_STATUSES:
+                outcome = Outcome.OVERLOAD
+            elif 200 <= status < 300 or status == 422:  # 422: slime's "this sample cannot be scored"
+                outcome = Outcome.OK
+
         finally:
             self._in_flight[url] -= 1
+            if ticket is not None:
+                limit.release(ticket, outcome, 0.0 if started is None else time.monotonic() - started, trace.connect_s)
         return self._interpret(url, status, body, items)
 
     def _interpret(self, url: str, status: int, body: bytes, items: Sequence[ScoreItem]) -> list[RewardResult]:
@@ -286,12 +493,13 @@ class RemoteReward:
             except ValueError as exc:
                 # Usually a truncated or garbled reply (a proxy, a crash mid-write): worth another try.
                 raise RewardServerError(
-                    "malformed", f"reward server {url} sent malformed JSON ({exc}): {_snippet(body)}", retryable=True, url=url
+                    "malformed", f"reward server {url} sent malformed JSON ({exc}): {_snippet(body)}", retryable=True, url=url,
+                    status=status,
                 ) from exc
             try:
                 return decode_reply(self.settings.fmt, parsed, items, self.settings.reward_key)
             except ReplyError as exc:
-                raise RewardServerError("bad_reply", f"reward server {url}: {exc}", retryable=False, url=url) from exc
+                raise RewardServerError("bad_reply", f"reward server {url}: {exc}", retryable=False, url=url, status=status) from exc
         detail = _error_text(body)
         if status == 422 and self.settings.fmt == "slime":
             # The server is fine; it could not score this one sample (slime format's way to say so).
@@ -299,11 +507,17 @@ class RemoteReward:
         if status in (401, 403):
             raise RewardServerError(
                 "auth", f"reward server {url} refused the request (HTTP {status}): wrong or missing bearer token "
-                f"(set ${TOKEN_ENV}); server said: {detail}", retryable=False, url=url,
+                f"(set ${TOKEN_ENV}); server said: {detail}", retryable=False, url=url, status=status,
             )
         if status in (408, 429) or status >= 500:
-            raise RewardServerError("http_5xx" if status >= 500 else f"http_{status}", f"reward server {url} answered HTTP {status}: {detail}", retryable=True, url=url)
-        raise RewardServerError("rejected", f"reward server {url} rejected the request (HTTP {status}): {detail}", retryable=False, url=url)
+            raise RewardServerError(
+                "http_5xx" if status >= 500 else f"http_{status}", f"reward server {url} answered HTTP {status}: {detail}",
+                retryable=True, url=url, status=status,
+            )
+        raise RewardServerError(
+            "rejected", f"reward server {url} rejected the request (HTTP {status}): {detail}", retryable=False, url=url,
+            status=status,
+        )
 
     # -- observability -----------------------------------------------------------------------------
 
@@ -330,9 +544,17 @@ class RemoteReward:
             log.info("reward_server_circuit_state", url=name, state=state)
 
     def stats(self) -> dict[str, float]:
-        """Cumulative counters for heartbeats, prefixed `rm_`, plus `rm_in_flight`."""
+        """Cumulative counters for heartbeats, prefixed `rm_`, plus the gauges `rm_in_flight`,
+        `rm_samples_waiting`, `rm_outage_s` (how long the longest-failing URL has failed) and `rm_limit`
+        (the adaptive limits' sum), and the limits' `rm_connect_stalls` and `rm_limit_decreases`."""
         out = {f"rm_{k}": float(v) for k, v in self.counts.items()}
         out["rm_in_flight"] = float(sum(self._in_flight.values()))
+        out["rm_samples_waiting"] = float(self._waiting)
+        now = time.monotonic()
+        out["rm_outage_s"] = max((now - t for t in self._down_since.values() if t is not None), default=0.0)
+        out["rm_limit"] = float(sum(lim.slots for lim in self.limits.values()))
+        out["rm_connect_stalls"] = float(sum(lim.stalls for lim in self.limits.values()))
+        out["rm_limit_decreases"] = float(sum(lim.decreases for lim in self.limits.values()))
         return out
 
 
