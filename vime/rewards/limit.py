@@ -13,14 +13,14 @@ window (AIMD):
 - Past that the server is queueing: slow start ends and the limit holds. Below it, *congestion
   avoidance* adds about 1 per round trip (1/limit per completed request).
 - A *stall* (a connection took longer than `stall_s` to open, a round trip exceeded max(8 x best,
-  best + `stall_s`), or a request timed out) halves the limit and remembers the level that stalled
-  (`ceiling`): the limit then stays at or below `ceiling` - 1 until `probe_interval_s` has passed, and
-  only then probes above it. An overload answer (a connection refused or reset while opening, HTTP
+  best + `stall_s`), or a request timed out) cuts the limit by 30% and remembers the level that
+  stalled (`ceiling`): the limit then stays at or below `ceiling` - 1 until `probe_interval_s` (10 s)
+  has passed, and only then probes above it. An overload answer (a connection refused or reset while opening, HTTP
   408/429/502/503/504) halves it too, without a ceiling.
 - One cut per burst: only a request sent after the last cut can cause the next one, so the 20 requests
   that stalled together halve the limit once, not twenty times.
 - The limit grows only while it is in use (some request found it full), never above `max_limit`
-  (`--rm-concurrency`), never below `min_limit`. `adaptive=False` keeps it at `initial` and only counts
+  (`--rm-concurrency`), never below `min_limit` (2). `adaptive=False` keeps it at `initial` and only counts
   stalls (the old fixed client, for benchmarks).
 
 Plain asyncio, one event loop: `acquire()` waits for a slot and returns a ticket; `release(ticket, ...)`
@@ -39,6 +39,9 @@ from dataclasses import dataclass
 
 # Weight of the newest round trip in the smoothed one (an exponential moving average over ~5 requests).
 SMOOTHING = 0.2
+# A stall costs one request a second or more, not the others in flight: cut by 30%, not half (measured
+# against bench/stdlib_reward_server.py under load, halving left the limit at 1-2 and half the rate).
+STALL_CUT = 0.7
 
 
 class Outcome(enum.Enum):
@@ -64,11 +67,11 @@ class AdaptiveLimit:
         max_limit: int,
         initial: int = 4,
         *,
-        min_limit: int = 1,
+        min_limit: int = 2,
         tolerance: float = 2.0,
         slack_s: float = 0.001,
         stall_s: float = 0.5,
-        probe_interval_s: float = 30.0,
+        probe_interval_s: float = 10.0,
         window: int = 256,
         adaptive: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -165,7 +168,7 @@ class AdaptiveLimit:
         if stalled:
             self.stalls += 1
             if self.adaptive:
-                self._cut(ticket, 0.5, remember=True)
+                self._cut(ticket, STALL_CUT, remember=True)
             return
         if outcome is Outcome.OVERLOAD:
             if self.adaptive:

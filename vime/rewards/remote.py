@@ -9,7 +9,7 @@ How a request is made (see `docs/reward-servers.md` for the outcome table):
 - Samples go out one per request (slime) or in batches of `batch_size` (openrlhf, vime) over one pooled
   aiohttp session (connections are kept alive where the server allows it), each bounded by `timeout_s`.
 - How many requests are in flight to each server adapts to what it sustains (`vime.rewards.limit`:
-  AIMD from `initial_concurrency`, growing while round trips hold, halving on connect stalls, timeouts
+  AIMD from `initial_concurrency`, growing while round trips hold, cutting on connect stalls, timeouts
   and overload answers), at most `concurrency` in all. A twenty-line standard-library server and a big
   one both work at the defaults.
 - Several URLs share the load: each request goes to the healthy server with the most free room, and a
