@@ -8,6 +8,10 @@ demo's, microseconds of work; `gsm8k`, math-verify in a process pool) scores the
 - remote, per format: `workers.reward.score_groups` (the worker's own scoring path, minus the broker)
   over a `RemoteReward` client: slime (one POST per sample), openrlhf and vime (batches of
   `--batch-size`), `--concurrency` requests in flight.
+- a standard-library server (`bench/stdlib_reward_server.py`: ThreadingHTTPServer, HTTP/1.0, listen
+  backlog 5, the arithmetic reward), slime format: the client at its defaults (adaptive concurrency,
+  at most 64), the old fixed 64 in flight (`adaptive_concurrency=False`), and the fixed 64 against the
+  same server with a backlog of 128; with `rm_connect_stalls` (connections that took > 0.5 s to open).
 Groups have 8 samples like the demo; half the answers are right. Each measurement is repeated
 `--repeats` times after one warm-up pass and the median rate is reported. Client, server and the
 math-verify workers share this machine's cores, so on a small machine the remote numbers include
@@ -16,6 +20,7 @@ that contention.
     python bench/reward_throughput.py                       # human readable
     python bench/reward_throughput.py --json                # one JSON object on stdout
     python bench/reward_throughput.py --samples 2048 --math-samples 256 --math-workers 1
+    python bench/reward_throughput.py --only stdlib --stdlib-samples 512   # the standard-library server alone
 """
 
 from __future__ import annotations
@@ -142,6 +147,48 @@ class Server:
         self.log.unlink(missing_ok=True)
 
 
+class StdlibServer:
+    """bench/stdlib_reward_server.py in a subprocess, on a free port."""
+
+    def __init__(self, backlog: int | None = None) -> None:
+        argv = [sys.executable, str(REPO / "bench" / "stdlib_reward_server.py")]
+        if backlog is not None:
+            argv += ["--backlog", str(backlog)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/slime/arithmetic"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Slime format against the standard-library server: defaults vs the old fixed concurrency."""
+    rows = []
+    groups = make_groups("arithmetic", args.stdlib_samples)
+    rows.append({"reward": "arithmetic", "path": "in-process", **await rate(LocalScorer(build_reward_fn("arithmetic")), groups, args.repeats)})
+    cases = [
+        ("stdlib defaults (adaptive)", None, {}),
+        ("stdlib fixed 64 (old)", None, {"adaptive_concurrency": False}),
+        ("stdlib fixed 8", None, {"adaptive_concurrency": False, "concurrency": 8}),
+        ("stdlib b128 fixed 64", 128, {"adaptive_concurrency": False}),
+    ]
+    for name, backlog, kw in cases:
+        server = StdlibServer(backlog)
+        try:
+            settings = RemoteRewardSettings(urls=[server.url], fmt="slime", **kw)
+            async with RemoteReward(settings) as client:
+                row = await rate(client, groups, args.repeats)
+                stats = client.stats()
+                row["requests_per_pass"] = stats.get("rm_requests", 0.0) / (args.repeats + 1)
+                row["connect_stalls_per_pass"] = stats["rm_connect_stalls"] / (args.repeats + 1)
+                row["final_limit"] = stats["rm_limit"]
+        finally:
+            server.stop()
+        rows.append({"reward": "arithmetic", "path": name, **row})
+    return rows
+
+
 async def run_all(args: argparse.Namespace, server: Server) -> list[dict[str, Any]]:
     rows = []
     for reward, n in (("arithmetic", args.samples), ("gsm8k", args.math_samples)):
@@ -177,14 +224,24 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     p.add_argument("--math-workers", type=int, default=1, help="math-verify processes (in process and in the server)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stdlib-samples", type=int, default=512, help="samples per pass against the standard-library server")
+    p.add_argument("--only", choices=["all", "reference", "stdlib"], default="all")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
 
-    server = Server(args.math_workers)
-    try:
-        rows = asyncio.run(run_all(args, server))
-    finally:
-        server.stop()
+    rows = []
+    if args.only in ("all", "reference"):
+        server = Server(args.math_workers)
+        try:
+            rows += asyncio.run(run_all(args, server))
+        finally:
+            server.stop()
+    if args.only in ("all", "stdlib"):
+        stdlib_rows = asyncio.run(run_stdlib(args))
+        base_row = stdlib_rows.pop(0)
+        if args.only == "stdlib":
+            rows.append(base_row)
+        rows += stdlib_rows
     base = {r["reward"]: r["rewards_per_s"] for r in rows if r["path"] == "in-process"}
     for r in rows:
         r["vs_in_process"] = r["rewards_per_s"] / base[r["reward"]]
@@ -196,10 +253,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{'reward':<11} {'path':<16} {'rewards/s':>11} {'x in-proc':>9} {'req/pass':>9} {'failed':>6}")
+    print(f"{'reward':<11} {'path':<27} {'rewards/s':>11} {'x in-proc':>9} {'req/pass':>9} {'failed':>6} {'stalls/pass':>11}")
     for r in rows:
-        print(f"{r['reward']:<11} {r['path']:<16} {r['rewards_per_s']:>11.0f} {r['vs_in_process']:>9.3f} "
-              f"{r.get('requests_per_pass', 0):>9.0f} {r['failed']:>6}")  # fmt: skip
+        print(f"{r['reward']:<11} {r['path']:<27} {r['rewards_per_s']:>11.0f} {r['vs_in_process']:>9.3f} "
+              f"{r.get('requests_per_pass', 0):>9.0f} {r['failed']:>6} {r.get('connect_stalls_per_pass', 0):>11.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
