@@ -90,3 +90,21 @@ def test_the_learning_verdict_compares_the_reward_gain_with_the_bar(capsys) -> N
     assert _learning_verdict(flat, 0.3) == DID_NOT_LEARN
     assert _learning_verdict(None, 0.3) == DID_NOT_LEARN
     assert "trained no step" in capsys.readouterr().err
+
+
+def test_events_a_child_marks_for_the_console_are_shown_once(tmp_path: Path, capsys) -> None:
+    import json
+
+    from vime.launcher import ConsoleEcho
+    from vime.process import Child
+
+    log = tmp_path / "reward-0.log"
+    child = Child("reward-0", [], {}, log)
+    down = {"url": "http://127.0.0.1:9/score", "down_s": 12.0, "console": True, "event": "reward_server_unavailable", "level": "warning"}
+    log.write_text(json.dumps({"event": "reward_batch", "samples": 8}) + "\n" + json.dumps(down) + "\n" + '{"event": "half a li')
+    echo = ConsoleEcho([child])
+    echo.refresh()
+    echo.refresh()  # nothing new: nothing shown again
+    err = capsys.readouterr().err
+    assert err.count("vime: reward-0: reward_server_unavailable url=http://127.0.0.1:9/score down_s=12.0") == 1
+    assert "reward_batch" not in err

@@ -81,6 +81,35 @@ def _has_cuda() -> bool:
         return False
 
 
+class ConsoleEcho:
+    """Shows on the console the log events a child marks `console=True` (a reward server down, back),
+    which would otherwise sit in its log file under `vime run`."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self.offsets: dict[str, int] = {}
+
+    def refresh(self) -> None:
+        for child in self.children:
+            try:
+                with child.log_path.open("rb") as handle:
+                    handle.seek(self.offsets.get(child.name, 0))
+                    chunk = handle.read()
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offsets[child.name] = self.offsets.get(child.name, 0) + len(complete)
+            for line in complete.splitlines():
+                if b'"console": true' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                details = " ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "console", "level", "timestamp", "pid", "role", "worker_id"))
+                tqdm.write(f"vime: {child.name}: {record.get('event')} {details}", file=sys.stderr)
+
+
 class ProgressView:
     """A tqdm bar fed by the trainer's metrics.jsonl (step, reward, staleness, logprob diff)."""
 
@@ -157,6 +186,7 @@ def run_job(
 
     children = plan_children(cfg, config_path)
     view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress)
+    echo = ConsoleEcho(children)
     supervisor = Supervisor(
         children, cfg, say=lambda text: tqdm.write(f"vime: {text}", file=sys.stderr),
         new_rendezvous_port=free_port, has_checkpoint=lambda: _has_checkpoint(cfg),
@@ -175,6 +205,7 @@ def run_job(
         while True:
             time.sleep(0.5)
             view.refresh()
+            echo.refresh()
             if stop["signal"]:
                 log.warning("interrupted", signal=stop["signal"])
                 exit_code = 130
