@@ -121,8 +121,7 @@ class Proc(Child):
     def start(self, argv: list[str] | None = None) -> None:
         if argv is not None:
             self.argv = argv
-        if self.log_handle is not None:
-            self.log_handle.close()
+        self.close_log()
         self.log_handle = self.log_path.open("ab")  # one log per slot; incarnations appended, marked
         self.log_handle.write(f"--- chaos: {self.name} incarnation {self.incarnation}: {' '.join(self.argv)}\n".encode())
         self.log_handle.flush()
@@ -155,20 +154,8 @@ def teardown(procs: list[Proc], grace_s: float = 3.0) -> list[str]:
         time.sleep(0.1)
     forced = [p.name for p in procs if p.alive]
     for p in procs:
-        p.signal(signal.SIGKILL)
-        # A process group can outlive its leader (vLLM's engine processes): kill the group regardless.
-        if p.process is not None:
-            try:
-                os.killpg(p.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                p.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        if p.log_handle is not None:
-            p.log_handle.close()
-            p.log_handle = None
+        Child.kill(p, wait_s=5)  # the group, also where its leader has exited (vLLM's engine processes)
+        p.close_log()
     return forced
 
 

@@ -272,8 +272,8 @@ def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
     assert step > 4
 
 
-def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
-    state = make_state(batch=2, staleness=3, num_rollout=10)
+def _buffer_everything_dispatched(state: BrokerState) -> None:
+    """Connect the workers, publish version 0, then generate and score every group dispatched."""
     connect(state, credits=20)
     state.on_weights_published(0, "tcp://w:1")
     rng = random.Random(0)
@@ -282,6 +282,11 @@ def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
     for _, msg in state.dispatch_scoring():
         scores = [GroupScores(group_id=g.group_id, rewards=[1.0, 0.5], failed=[False] * 2, reasons=[None] * 2) for g in msg.groups]  # type: ignore[attr-defined]
         state.on_scored(REWARD, scores)
+
+
+def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
+    state = make_state(batch=2, staleness=3, num_rollout=10)
+    _buffer_everything_dispatched(state)
     batches = {}
     for step in range(4):
         out = state.request_batch(TRAINER, step, 2, 0, now=0.0) or state.try_fill_batch(now=0.0)
@@ -307,14 +312,7 @@ def test_broker_restarts_counts_every_restart_and_counters_survive_them(tmp_path
     restoring those used to replace the snapshot's counters by the steps' empty ones."""
     job = Journaled(tmp_path / "broker.journal", batch=2, staleness=3, num_rollout=10, retain=True)
     state = job.state
-    connect(state, credits=20)
-    state.on_weights_published(0, "tcp://w:1")
-    rng = random.Random(0)
-    for group in [g for _, m in state.dispatch() if isinstance(m, DispatchGroups) for g in m.groups]:
-        state.on_generated(ROLLOUT, [generated(group, 0, rng)])
-    for _, msg in state.dispatch_scoring():
-        scores = [GroupScores(group_id=g.group_id, rewards=[1.0, 0.5], failed=[False] * 2, reasons=[None] * 2) for g in msg.groups]  # type: ignore[attr-defined]
-        state.on_scored(REWARD, scores)
+    _buffer_everything_dispatched(state)
     for step in range(2):  # two steps done, no checkpoint: both stay replayable
         out = state.request_batch(TRAINER, step, 2, 0, now=0.0) or state.try_fill_batch(now=0.0)
         state.on_step_done(step, [g.group_id for g in out[0][1].groups])  # type: ignore[attr-defined]

@@ -81,25 +81,35 @@ def _has_cuda() -> bool:
         return False
 
 
+class NewLines:
+    """The complete lines appended to a file since the last call (a line still being written waits)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[bytes]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except OSError:  # not written yet
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return complete.splitlines()
+
+
 class ConsoleEcho:
     """Shows on the console the log events a child marks `console=True` (a reward server down, back),
     which would otherwise sit in its log file under `vime run`."""
 
     def __init__(self, children: list[Child]) -> None:
-        self.children = children
-        self.offsets: dict[str, int] = {}
+        self.logs = [(child.name, NewLines(child.log_path)) for child in children]
 
     def refresh(self) -> None:
-        for child in self.children:
-            try:
-                with child.log_path.open("rb") as handle:
-                    handle.seek(self.offsets.get(child.name, 0))
-                    chunk = handle.read()
-            except OSError:
-                continue
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self.offsets[child.name] = self.offsets.get(child.name, 0) + len(complete)
-            for line in complete.splitlines():
+        for name, log_lines in self.logs:
+            for line in log_lines.read():
                 if b'"console": true' not in line:
                     continue
                 try:
@@ -107,28 +117,20 @@ class ConsoleEcho:
                 except json.JSONDecodeError:
                     continue
                 details = " ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "console", "level", "timestamp", "pid", "role", "worker_id"))
-                tqdm.write(f"vime: {child.name}: {record.get('event')} {details}", file=sys.stderr)
+                tqdm.write(f"vime: {name}: {record.get('event')} {details}", file=sys.stderr)
 
 
 class ProgressView:
     """A tqdm bar fed by the trainer's metrics.jsonl (step, reward, staleness, logprob diff)."""
 
     def __init__(self, metrics_path: Path, total: int, enabled: bool) -> None:
-        self.metrics_path = metrics_path
-        self.offset = 0
+        self.metrics = NewLines(metrics_path)
         self.records: list[dict[str, Any]] = []
         self.steps: set[Any] = set()
         self.bar = tqdm(total=total, desc="vime", unit="step", disable=not enabled, dynamic_ncols=True)
 
     def refresh(self) -> None:
-        if not self.metrics_path.exists():
-            return
-        with self.metrics_path.open() as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        for line in complete.splitlines():
+        for line in self.metrics.read():
             record = json.loads(line)
             self.records.append(record)
             if any(key.startswith("eval/") for key in record):
