@@ -218,8 +218,7 @@ class RemoteReward:
         self._last_kind: dict[str, str] = {}
         # Outages: since when each URL has failed without a success, whether that was warned about.
         self._down_since: dict[str, float | None] = dict.fromkeys(settings.urls)
-        self._warned: dict[str, bool] = dict.fromkeys(settings.urls, False)
-        self._next_warn: dict[str, float] = dict.fromkeys(settings.urls, 0.0)
+        self._next_warn: dict[str, float | None] = dict.fromkeys(settings.urls)  # None: not warned in this outage
         self._ok_count = 0
         self._fail_count = 0
         self._waiting = 0
@@ -409,20 +408,19 @@ class RemoteReward:
         since = self._down_since[url]
         if since is None:
             return
-        if self._warned[url]:
+        if self._next_warn[url] is not None:
             log.warning("reward_server_back", url=url, down_s=round(time.monotonic() - since, 1), samples_waiting=self._waiting, console=True)
         self._down_since[url] = None
-        self._warned[url] = False
-        self._next_warn[url] = 0.0
+        self._next_warn[url] = None
 
     def _warn_waiting(self) -> None:
         """Say which servers fail and for how long, at most once per URL every `warn_interval_s`."""
         now = time.monotonic()
         for url, since in self._down_since.items():
-            if since is None or now < self._next_warn[url]:
+            next_warn = self._next_warn[url]
+            if since is None or (next_warn is not None and now < next_warn):
                 continue
             self._next_warn[url] = now + self.settings.warn_interval_s
-            self._warned[url] = True
             log.warning(
                 "reward_server_unavailable", url=url, down_s=round(now - since, 1), samples_waiting=self._waiting,
                 kind=self._last_kind.get(url), error=self._last_error.get(url), console=True,
