@@ -68,11 +68,14 @@ for part in "${@:-tests}"; do
     for size in ${VIME_GPU_SIZES:-0.6b}; do
       model=/tmp/vime-qwen3-$size
       python3 -m vime.demo.model_factory --kind qwen3 --size "$size" --out "$model" > /dev/null || { status=1; continue; }
+      # 4B's fp32 master weights and AdamW state (64 GB) beside the engine leave no room for a whole
+      # micro-batch's activations: recompute them in the backward.
+      memory=(); [ "$size" = 4b ] && memory=(--gradient-checkpointing)
       # The JSON report goes to its own file (stdout); the runs' logs to another.
       timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_SIZE_STEPS:-6}" --json --port "$(free_port)" \
         --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
         --rollout-max-response-len 1024 --micro-batch-size 4 --vllm-max-model-len 1152 \
-        --vllm-gpu-memory-utilization 0.35 --no-progress > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
+        --vllm-gpu-memory-utilization 0.35 --no-progress "${memory[@]}" > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
       cat "$out/sizes_$size.json"
     done
     ;;

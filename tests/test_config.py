@@ -96,3 +96,15 @@ def test_vllm_flags_with_the_hf_engine_are_named_in_a_warning(tmp_path: Path) ->
     assert warning["flags"] == ["--vllm-gpu-memory-utilization", "--vllm-max-model-len"]
     # --vllm-dtype still sets the dtype the trainer publishes weights in: said, not listed as ignored.
     assert "--vllm-dtype" in warning["dtype"] and "--rollout-dtype" in warning["dtype"]
+
+
+def test_gradient_checkpointing_flag_reaches_the_torch_trainer(tmp_path: Path) -> None:
+    from vime.trainer.torch_backend import TorchTrainerConfig
+
+    path = write(tmp_path, "hf_checkpoint: model\n")
+    on, _ = parse_config(["--config", str(path), "--gradient-checkpointing"])
+    off, _ = parse_config(["--config", str(path)])
+    assert TorchTrainerConfig.from_vime_config(on).gradient_checkpointing is True
+    assert TorchTrainerConfig.from_vime_config(off).gradient_checkpointing is False
+    with pytest.raises(ConfigError, match="recompute-granularity"):
+        load_config(path, {"gradient_checkpointing": True, "train_backend": "megatron"})

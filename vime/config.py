@@ -198,6 +198,9 @@ class VimeConfig(BaseModel):
     use_decoupled_ppo: bool = Field(False, description="AReaL: weight by behaviour ratio, mask above the cap")
     behav_imp_weight_cap: float = Field(5.0, gt=0.0)
     use_fsdp: bool = Field(False, description="shard the model with FSDP2 instead of replicating (DDP)")
+    gradient_checkpointing: bool = Field(
+        False, description="torch backend: recompute each layer's activations in the backward (Megatron: --recompute-granularity)",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -315,6 +318,9 @@ class VimeConfig(BaseModel):
     @model_validator(mode="after")
     def _check_megatron_layout(self) -> VimeConfig:
         if self.train_backend == "megatron":
+            if self.gradient_checkpointing:
+                raise ValueError("gradient_checkpointing is the torch backend's; the Megatron backend recomputes "
+                                 "activations with --recompute-granularity full (or selective)")  # fmt: skip
             import importlib.util
 
             te = importlib.util.find_spec("transformer_engine") is not None
