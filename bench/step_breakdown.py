@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,26 +108,44 @@ def model_flops_utilization(
 
 def engine_weight_update_cost(records: list[dict[str, Any]], num_rollout_workers: int) -> dict[str, float | None]:
     """The weight update's parts inside the rollout engines over the window: fetching the tensors,
-    loading them into the engine, and generation paused for it. Per update and per engine (every
-    engine applies every update; the totals are summed over engines), and per GB of update bytes.
+    loading them into the engine, and generation paused for it. Per update and per engine, and per GB
+    of update bytes (the totals are summed over engines).
 
-    The totals in a record were read when its step's batch was handed out, before the step trained
-    and published, so the updates inside the window are those published by the steps before the last.
-    A changing number of workers (elastic runs) skews the per-update figures, not the per-GB ones.
+    The engines count the updates they applied (`perf/rollout_updates_total`): an engine that finds two
+    versions waiting loads only the newer, so in an asynchronous run it applies fewer updates than the
+    trainer published. Metrics from before that counter estimate it from the publishes: a record's
+    totals were read when its step's batch was handed out, before the step trained and published, so
+    the updates inside the window are those published by the steps before the last, each applied by
+    every engine. `weight_updates` stays the trainer's publishes inside the window.
     """
     first, last = records[0], records[-1]
     updates = sum(1 for r in records[:-1] if r.get("perf/weight_sync_time", 0.0) > 0)
     update_bytes = _delta(first, last, "perf/rollout_update_bytes_total")
     gigabytes = None if update_bytes is None else update_bytes / BYTES_PER_GB
-    engine_updates = updates * num_rollout_workers
+    engine_updates = _delta(first, last, "perf/rollout_updates_total")
+    if engine_updates is None:
+        engine_updates = float(updates * num_rollout_workers)
     out: dict[str, float | None] = {
         "weight_updates": updates,
+        "engine_updates": engine_updates,
         "engine_update_gb_per_update": _ratio(gigabytes, engine_updates),
     }
     for part in ("fetch", "load", "paused"):
         seconds = _delta(first, last, f"perf/rollout_{part}_s_total")
         out[f"engine_update_{part}_s_per_update"] = _ratio(seconds, engine_updates)
         out[f"engine_update_{part}_s_per_gb"] = _ratio(seconds, gigabytes)
+    return out
+
+
+def publish_parts(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The trainer's weight publish by part, mean seconds per steady step: exporting the tensors from
+    the model, copying them into the snapshot, checksumming its chunks. None for metrics from before
+    the parts were logged."""
+    steady = records[1:]
+    out: dict[str, float | None] = {}
+    for part in ("export", "copy", "checksum"):
+        key = f"perf/weight_{part}_time"
+        out[f"trainer_weight_{part}_s"] = float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else None
     return out
 
 
@@ -183,7 +202,13 @@ def run(label: str, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{label} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return report(run_dir, staleness, args.peak_flops)
+    figures = report(run_dir, staleness, args.peak_flops)
+    if not args.keep_checkpoints:
+        # A run's final resumable checkpoint (weights + AdamW state: 12 bytes per parameter and up) is
+        # not part of the report; at 4B two of them fill a 64 GB disk before the second run ends.
+        saved_to = yaml.safe_load((run_dir / "config.yaml").read_text()).get("save") or run_dir / "checkpoints"
+        shutil.rmtree(saved_to, ignore_errors=True)
+    return figures
 
 
 def report(run_dir: Path, staleness: int, peak_flops: float | None) -> dict[str, Any]:
@@ -205,6 +230,7 @@ def report(run_dir: Path, staleness: int, peak_flops: float | None) -> dict[str,
         "reward_first5": summary["reward_first5"],
         "reward_last5": summary["reward_last5"],
         **breakdown(records),
+        **publish_parts(records),
         **rollout_throughput(records),
         **trainer,
         **mfu,
@@ -226,6 +252,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-step-breakdown")
     parser.add_argument("--port", type=int, default=5577)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint (deleted after its report by default)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12,
                         help="the GPU's peak bf16 TFLOP/s for MFU (default: H200 dense bf16; without CUDA MFU is not reported)")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more vime run flags (after --)")

@@ -145,6 +145,29 @@ def test_engine_weight_update_cost_per_update_and_per_gb() -> None:
     assert out["engine_update_paused_s_per_gb"] == pytest.approx(0.75)
 
 
+def test_engine_updates_counted_by_the_engines_beat_the_publishes() -> None:
+    # Three publishes inside the window, but the engine found two versions waiting once and loaded
+    # only the newer: two loads of 4 GB each.
+    records = [
+        step_record(i, float(i), **{"perf/rollout_updates_total": float(loads), "perf/rollout_update_bytes_total": 4e9 * loads,
+                                    "perf/rollout_load_s_total": 0.5 * loads})
+        for i, loads in enumerate([0, 0, 1, 2])
+    ]  # fmt: skip
+    out = sb.engine_weight_update_cost(records, num_rollout_workers=1)
+    assert out["weight_updates"] == 3
+    assert out["engine_updates"] == 2.0
+    assert out["engine_update_gb_per_update"] == pytest.approx(4.0)
+    assert out["engine_update_load_s_per_update"] == pytest.approx(0.5)
+
+
+def test_publish_parts_are_steady_step_means_or_none() -> None:
+    parts = [{"perf/weight_export_time": e, "perf/weight_copy_time": 2 * e, "perf/weight_checksum_time": 0.5}
+             for e in (9.0, 1.0, 3.0)]  # fmt: skip
+    out = sb.publish_parts([step_record(i, float(i), **p) for i, p in enumerate(parts)])
+    assert out == {"trainer_weight_export_s": 2.0, "trainer_weight_copy_s": 4.0, "trainer_weight_checksum_s": 0.5}
+    assert set(sb.publish_parts([step_record(i, float(i)) for i in range(3)]).values()) == {None}
+
+
 def test_metrics_without_the_new_totals_give_none() -> None:
     records = [step_record(i, float(i)) for i in range(4)]  # a metrics file from before the keys existed
     assert sb.rollout_throughput(records)["rollout_tokens_per_s"] is None

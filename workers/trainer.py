@@ -153,6 +153,7 @@ def rollout_metrics(groups: list[Group], stats: dict[str, float]) -> dict[str, f
         "perf/rollout_load_s_total": stats.get("rollout_load_s", 0.0),
         "perf/rollout_paused_s_total": stats.get("rollout_paused_s", 0.0),
         "perf/rollout_update_bytes_total": stats.get("rollout_update_bytes", 0.0),
+        "perf/rollout_updates_total": stats.get("rollout_updates", 0.0),
         "perf/rollout_tokens_total": stats.get("rollout_tokens", 0.0),
         "perf/reward_busy_s_total": stats.get("reward_busy_s", 0.0),
         # What the broker measured itself (dynamic sampling counts, ...) arrives already named.
@@ -171,15 +172,34 @@ def _receive_command() -> tuple[int, int]:
     return int(header[0]), int(header[1])
 
 
-def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> tuple[int, float]:
-    """All ranks export (sharded models gather); rank 0 publishes. Returns (bytes, seconds) on rank 0."""
+@dataclass(frozen=True)
+class PublishTimes:
+    """One weight publish on rank 0: bytes, and its seconds in all and by part (the export from the
+    model, the copy into the snapshot's buffers, the chunk checksums)."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+    export_s: float = 0.0
+    copy_s: float = 0.0
+    checksum_s: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/weight_export_time": self.export_s, "perf/weight_copy_time": self.copy_s,
+                "perf/weight_checksum_time": self.checksum_s}  # fmt: skip
+
+
+def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> PublishTimes:
+    """All ranks export (sharded models gather); rank 0 publishes. Returns the publish's times on rank 0
+    (zeros elsewhere)."""
     started = time.perf_counter()
     # A publisher that shares a GPU copy (CUDA IPC) takes the tensors where they are: no host round trip.
     tensors = list(trainer.export_weights(dtype=dtype, on_device=publisher is not None and publisher.cuda_ipc))
     if publisher is None:
-        return 0, 0.0
+        return PublishTimes()
+    exported = time.perf_counter()
     stats = publisher.publish(version, tensors)
-    return int(stats.nbytes), time.perf_counter() - started
+    return PublishTimes(nbytes=int(stats.nbytes), seconds=time.perf_counter() - started, export_s=exported - started,
+                        copy_s=stats.copy_seconds, checksum_s=stats.checksum_seconds)  # fmt: skip
 
 
 def resume_point(trainer: PolicyTrainer, cfg: VimeConfig) -> ResumePoint | None:
@@ -265,6 +285,7 @@ class LeaderLoop:
                 await self._send_acked(StepDone(step=step, group_ids=group_ids), str(step))
                 self._write_ledger(step, group_ids)
                 sync_time = 0.0
+                publish_times = PublishTimes()
                 published = False
                 if batch_msg.replayed:
                     # Catching up after --load to the step the job had reached: the job's versions up to
@@ -273,7 +294,7 @@ class LeaderLoop:
                 elif (step + 1) % self.cfg.update_weights_interval == 0:
                     sync_started = time.perf_counter()
                     self.version += 1
-                    await self._publish(step)
+                    publish_times = await self._publish(step)
                     sync_time = time.perf_counter() - sync_started
                     published = True
                 if self.colocate is not None:
@@ -285,6 +306,7 @@ class LeaderLoop:
                     "perf/wait_time": wait_time,
                     "perf/train_time": train_time,
                     "perf/weight_sync_time": sync_time,
+                    **publish_times.metrics(),
                     "perf/wait_time_ratio": wait_time / step_time if step_time > 0 else 0.0,
                     "perf/tokens_per_gpu_per_sec": float(batch.num_tokens) / train_time / max(1, dist.get_world_size() if dist.is_initialized() else 1),
                 })
@@ -375,14 +397,17 @@ class LeaderLoop:
             if isinstance(reply, Ack) and ack_id in reply.ids:
                 return
 
-    async def _publish(self, step: int) -> None:
-        nbytes, seconds = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
+    async def _publish(self, step: int) -> PublishTimes:
+        times = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
+        nbytes, seconds = times.nbytes, times.seconds
         # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
         endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
         published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds)
         self.published_endpoint = endpoint
         await self._send_acked(published, str(self.version))
-        log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4))
+        log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4),
+                 export_s=round(times.export_s, 4), copy_s=round(times.copy_s, 4), checksum_s=round(times.checksum_s, 4))  # fmt: skip
+        return times
 
     def _write_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "weight_version": self.version, "time": time.time(), **metrics}

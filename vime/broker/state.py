@@ -655,6 +655,7 @@ class BrokerState:
             "rollout_load_s": self._sum_stat("rollout", "load_s"),
             "rollout_paused_s": self._sum_stat("rollout", "paused_s"),
             "rollout_update_bytes": self._sum_stat("rollout", "update_bytes"),
+            "rollout_updates": self._sum_stat("rollout", "updates"),
             "rollout_tokens": self._sum_stat("rollout", "tokens"),
             "reward_busy_s": self._sum_stat("reward", "busy_s"),
         }
