@@ -108,3 +108,15 @@ def test_gradient_checkpointing_flag_reaches_the_torch_trainer(tmp_path: Path) -
     assert TorchTrainerConfig.from_vime_config(off).gradient_checkpointing is False
     with pytest.raises(ConfigError, match="recompute-granularity"):
         load_config(path, {"gradient_checkpointing": True, "train_backend": "megatron"})
+
+
+def test_rm_flags_reach_the_remote_reward_client() -> None:
+    from vime.rewards.remote import RemoteRewardSettings
+
+    flags = ["--rm-type", "remote_rm", "--rm-url", "http://a:1/r,http://b:2/r", "--rm-max-wait-s", "90", "--rm-retries", "5"]
+    settings = RemoteRewardSettings.from_config(parse_config(flags)[0], environ={"VIME_RM_TOKEN": "t"})
+    assert settings.urls == ["http://a:1/r", "http://b:2/r"]
+    assert settings.max_wait_s == 90.0 and settings.retries == 5
+    assert settings.token is not None and settings.token.get_secret_value() == "t"
+    # unset: samples wait for the servers as long as it takes
+    assert RemoteRewardSettings.from_config(parse_config(flags[:4])[0], environ={}).max_wait_s is None

@@ -97,6 +97,10 @@ class VimeConfig(BaseModel):
         5, ge=1, description="remote_rm: consecutive failed requests that open a server's circuit"
     )
     rm_breaker_reset_s: float = Field(30.0, gt=0.0, description="remote_rm: seconds an open circuit waits before a trial request")
+    rm_max_wait_s: float | None = Field(
+        None, ge=0.0, description="remote_rm: fail samples whose servers stay unreachable (or refuse every request) "
+        "this many seconds; default: they wait until the servers answer, and the job pauses",
+    )  # fmt: skip
     num_reward_workers: int = Field(1, ge=1)
     reward_concurrency: int = Field(16, ge=1, description="groups a reward worker scores at once")
 

@@ -99,8 +99,8 @@ class RemoteRewardSettings(BaseModel):
     # Requests in flight per server start here and adapt up to `concurrency` (False: always `concurrency`).
     initial_concurrency: int = Field(4, ge=1)
     adaptive_concurrency: bool = True
-    # How long samples whose request failed for a reason outside them wait for the servers; None: until
-    # they answer (the reward worker). A script that must not wait sets a bound; 0 gives up at once.
+    # How long samples whose request failed for a reason outside them wait for the servers (--rm-max-wait-s);
+    # None: until they answer. 0 gives up at once.
     max_wait_s: float | None = Field(None, ge=0.0)
     # Rounds of retries a sample must fail, while the server answers others, to count as its own fault.
     sample_fault_rounds: int = Field(2, ge=1)
@@ -121,6 +121,7 @@ class RemoteRewardSettings(BaseModel):
             batch_size=cfg.rm_batch_size,
             breaker_failures=cfg.rm_breaker_failures,
             breaker_reset_s=cfg.rm_breaker_reset_s,
+            max_wait_s=cfg.rm_max_wait_s,
             token=SecretStr(token) if token else None,
         )
 
