@@ -29,7 +29,7 @@ from vime.broker.state import BrokerSettings, BrokerState
 from vime.config import load_config
 from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.messages import GroupsScored, ScoreGroups, Sample
-from vime.rewards import remote
+from vime.rewards import outage, remote
 from vime.rewards.limit import AdaptiveLimit, Outcome
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings
 from vime.rewards.wire import ScoreItem
@@ -222,6 +222,7 @@ def test_an_outage_costs_time_not_data(monkeypatch: pytest.MonkeyPatch) -> None:
 
     recorder = Recorder()
     monkeypatch.setattr(remote, "log", recorder)
+    monkeypatch.setattr(outage, "log", recorder)
     port = free_port()
     url = f"http://127.0.0.1:{port}/slime/arithmetic"
     state, groups = _broker_with_scoring(n_groups=6)
@@ -284,6 +285,7 @@ def test_max_wait_bounds_the_wait_for_scripts(monkeypatch: pytest.MonkeyPatch) -
     """`max_wait_s` (None in the reward worker: wait until the servers answer) lets a script give up."""
     recorder = Recorder()
     monkeypatch.setattr(remote, "log", recorder)
+    monkeypatch.setattr(outage, "log", recorder)
     url = f"http://127.0.0.1:{free_port()}/slime/arithmetic"  # nothing listens
     s = RemoteRewardSettings(urls=[url], retries=1, backoff_initial_s=0.05, backoff_max_s=0.1, max_wait_s=0.6)
 
@@ -297,3 +299,31 @@ def test_max_wait_bounds_the_wait_for_scripts(monkeypatch: pytest.MonkeyPatch) -
     assert took >= 0.6
     assert all(r.failed and r.extra["reward_error"] in ("connection", "circuit_open") for r in results)
     assert "reward_server_unavailable" in recorder.events("warning")
+
+
+class _Failure:
+    def __init__(self, may_be_the_samples: bool) -> None:
+        self.kind = "http_5xx" if may_be_the_samples else "connection"
+        self.may_be_the_samples = may_be_the_samples
+
+    def __str__(self) -> str:
+        return self.kind
+
+
+def test_outage_ledger_fails_samples_only_for_their_own_fault_or_past_the_bound() -> None:
+    url = "http://r:1/score"
+    ledger = outage.OutageLedger([url], warn_interval_s=10.0, max_wait_s=None, sample_fault_rounds=2)
+    own, down = outage.ChunkWait(), outage.ChunkWait()
+    for _ in range(3):
+        ledger.failed(url, own, _Failure(True))
+        ledger.succeeded(url)  # the server answers the other requests meanwhile
+        ledger.succeeded(url)
+    assert [ledger.samples_at_fault(_Failure(True), own) for _ in range(2)] == [False, True]  # two rounds in a row
+    for _ in range(5):
+        ledger.failed(url, down, _Failure(False))  # never reached
+    assert not any(ledger.samples_at_fault(_Failure(False), down) for _ in range(5))
+    assert ledger.last_kind[url] == "connection" and ledger.outage_s() > 0.0
+    bounded = outage.OutageLedger([url], warn_interval_s=10.0, max_wait_s=0.0, sample_fault_rounds=2)
+    chunk = outage.ChunkWait()
+    bounded.failed(url, chunk, _Failure(False))
+    assert bounded.samples_at_fault(_Failure(False), chunk)  # max_wait_s=0: give up at once

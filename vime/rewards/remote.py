@@ -22,14 +22,10 @@ How a request is made (see `docs/reward-servers.md` for the outcome table):
   requests go through again: the first failure reopens the circuit, a success closes it.
 
 Outages cost time, not data. When a request still fails after its retries, its samples fail only if the
-failure is the samples' own: the server was reached and answered something other than "overloaded"
-(a 500, a dropped connection, a wrong reply, a timeout after connecting) for `sample_fault_rounds`
-rounds in a row while it answered most other requests. Otherwise (nothing listening, every circuit open,
-timeouts while connecting, 408/429/502/503/504, a wrong token that fails everything) the samples wait
-and the request is tried again with backoff until the servers answer (or, with `max_wait_s`, until that
-long has passed). While they wait, `reward_server_unavailable` warnings (at most one per URL every
-`warn_interval_s`) name the URL, how long it has been failing, the last error and how many samples wait;
-`reward_server_back` says when it answers again.
+failure is the samples' own; otherwise (nothing listening, every circuit open, timeouts while
+connecting, 408/429/502/503/504, a wrong token that fails everything) they wait and the request is
+tried again with backoff until the servers answer, or until `max_wait_s` has passed. The rule and the
+warnings a waiting job gives are `vime.rewards.outage`'s.
 
 Counters for the worker's heartbeat (`stats()`): requests, retries, circuits opened, holds (rounds that
 waited), samples waiting, outage seconds, the adaptive limit, connect stalls and limit cuts, and failed
@@ -58,6 +54,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from vime.logging import get_logger
 from vime.rewards.limit import AdaptiveLimit, Outcome
+from vime.rewards.outage import ChunkWait, OutageLedger
 from vime.rewards.types import RewardResult
 from vime.rewards.wire import (
     FORMATS,
@@ -147,20 +144,6 @@ class RewardServerError(Exception):
         return self.reached and self.kind != "circuit_open" and self.status not in OVERLOAD_STATUSES
 
 
-class _Chunk:
-    """Bookkeeping for the requests of one chunk of samples while it fails and waits."""
-
-    __slots__ = ("first_failure", "ok_mark", "fail_mark", "fails", "rounds", "fault_rounds")
-
-    def __init__(self) -> None:
-        self.first_failure: float | None = None
-        self.ok_mark = 0  # the client's success count at the chunk's first failure
-        self.fail_mark = 0  # the client's failure count just before it
-        self.fails = 0  # the chunk's own failed requests
-        self.rounds = 0  # rounds of retries that failed
-        self.fault_rounds = 0  # of which, in a row, looked like the samples' own fault
-
-
 class _Trace:
     """Filled in by aiohttp's trace hooks for one request: was a connection made, and how long it took."""
 
@@ -215,14 +198,8 @@ class RemoteReward:
             for url in settings.urls
         }
         self._in_flight: dict[str, int] = dict.fromkeys(settings.urls, 0)
-        self._last_error: dict[str, str] = {}
-        self._last_kind: dict[str, str] = {}
-        # Outages: since when each URL has failed without a success, whether that was warned about.
-        self._down_since: dict[str, float | None] = dict.fromkeys(settings.urls)
-        self._next_warn: dict[str, float | None] = dict.fromkeys(settings.urls)  # None: not warned in this outage
-        self._ok_count = 0
-        self._fail_count = 0
-        self._waiting = 0
+        self.outages = OutageLedger(settings.urls, warn_interval_s=settings.warn_interval_s,
+                                    max_wait_s=settings.max_wait_s, sample_fault_rounds=settings.sample_fault_rounds)  # fmt: skip
         # A random start spreads several reward workers over the URLs from their first request on.
         self._turn = itertools.count(random.randrange(len(settings.urls)))
         self._breakers = AsyncCircuitBreakerFactory(
@@ -291,7 +268,7 @@ class RemoteReward:
         return results
 
     async def _score_chunk(self, items: Sequence[ScoreItem]) -> list[RewardResult]:
-        chunk = _Chunk()
+        chunk = ChunkWait()
         waiting = False
         try:
             payload = json.dumps(encode_request(self.settings.fmt, items), ensure_ascii=False, default=str).encode()
@@ -300,14 +277,14 @@ class RemoteReward:
                     results = await self._request_with_retries(payload, items, chunk)
                     break
                 except RewardServerError as exc:
-                    if self._samples_at_fault(exc, chunk):
+                    if self.outages.samples_at_fault(exc, chunk):
                         log.warning("reward_request_failed", kind=exc.kind, url=exc.url, samples=len(items), error=str(exc))
                         return [RewardResult.failure(str(exc), reward_error=exc.kind) for _ in items]
                     if not waiting:
                         waiting = True
-                        self._waiting += len(items)
+                        self.outages.samples_waiting += len(items)
                     self.counts["holds"] += 1
-                    self._warn_waiting()
+                    self.outages.warn_waiting()
                     await asyncio.sleep(self._hold_delay(chunk.rounds))
         except Exception as exc:  # a bug here must still give every sample an answer
             log.exception("reward_client_error", samples=len(items))
@@ -315,36 +292,17 @@ class RemoteReward:
             return [RewardResult.failure(reason, reward_error="internal") for _ in items]
         finally:
             if waiting:
-                self._waiting -= len(items)
+                self.outages.samples_waiting -= len(items)
         if len(results) != len(items):  # decode_reply guarantees this; keep the promise even if it broke
             reason = f"reward client got {len(results)} results for {len(items)} samples"
             return [RewardResult.failure(reason, reward_error="internal")] * len(items)
         return results
 
-    def _samples_at_fault(self, exc: RewardServerError, chunk: _Chunk) -> bool:
-        """After a failed round of retries: fail these samples (True), or let them wait (False)?
-
-        They fail when the failure looks like theirs for `sample_fault_rounds` rounds in a row: the
-        server was reached and did not say it was busy, and since this chunk first failed it answered
-        more other requests than it failed. They also fail once `max_wait_s` has passed.
-        """
-        s = self.settings
-        chunk.rounds += 1
-        if s.max_wait_s is not None and time.monotonic() - (chunk.first_failure or 0.0) >= s.max_wait_s:
-            return True
-        others_ok = self._ok_count - chunk.ok_mark
-        others_failed = self._fail_count - chunk.fail_mark - chunk.fails
-        if exc.may_be_the_samples and others_ok > others_failed:
-            chunk.fault_rounds += 1
-        else:
-            chunk.fault_rounds = 0
-        return chunk.fault_rounds >= s.sample_fault_rounds
-
     def _hold_delay(self, rounds: int) -> float:
         s = self.settings
         return min(s.backoff_max_s, s.backoff_initial_s * 2.0 ** min(rounds - 1, 30)) + random.uniform(0.0, s.backoff_initial_s)
 
-    async def _request_with_retries(self, payload: bytes, items: Sequence[ScoreItem], chunk: _Chunk) -> list[RewardResult]:
+    async def _request_with_retries(self, payload: bytes, items: Sequence[ScoreItem], chunk: ChunkWait) -> list[RewardResult]:
         s = self.settings
         last_url: list[str | None] = [None]
         retrying = AsyncRetrying(
@@ -375,14 +333,12 @@ class RemoteReward:
                 opened.append(url)
                 continue
             except RewardServerError as exc:
-                self._last_error[url] = str(exc)
-                self._last_kind[url] = exc.kind
-                self._note_failure(url, chunk)
+                self.outages.failed(url, chunk, exc)
                 raise
-            self._note_ok(url)
+            self.outages.succeeded(url)
             return results
-        last = "; ".join(self._last_error[u] for u in opened if u in self._last_error)
-        self._note_failure(None, chunk)
+        last = "; ".join(self.outages.last_error[u] for u in opened if u in self.outages.last_error)
+        self.outages.failed(None, chunk)
         raise RewardServerError(
             "circuit_open",
             f"circuit open for every reward server ({', '.join(opened)}): each failed "
@@ -391,42 +347,6 @@ class RemoteReward:
             retryable=False,
             reached=False,
         )
-
-    # -- outages -----------------------------------------------------------------------------------
-
-    def _note_failure(self, url: str | None, chunk: _Chunk) -> None:
-        now = time.monotonic()
-        if chunk.first_failure is None:
-            chunk.first_failure = now
-            chunk.ok_mark, chunk.fail_mark = self._ok_count, self._fail_count
-        chunk.fails += 1
-        self._fail_count += 1
-        if url is not None and self._down_since[url] is None:
-            self._down_since[url] = now
-
-    def _note_ok(self, url: str) -> None:
-        self._ok_count += 1
-        since = self._down_since[url]
-        if since is None:
-            return
-        if self._next_warn[url] is not None:
-            log.warning("reward_server_back", url=url, down_s=round(time.monotonic() - since, 1), samples_waiting=self._waiting, console=True)
-        self._down_since[url] = None
-        self._next_warn[url] = None
-
-    def _warn_waiting(self) -> None:
-        """Say which servers fail and for how long, at most once per URL every `warn_interval_s`."""
-        now = time.monotonic()
-        for url, since in self._down_since.items():
-            next_warn = self._next_warn[url]
-            if since is None or (next_warn is not None and now < next_warn):
-                continue
-            self._next_warn[url] = now + self.settings.warn_interval_s
-            log.warning(
-                "reward_server_unavailable", url=url, down_s=round(now - since, 1), samples_waiting=self._waiting,
-                kind=self._last_kind.get(url), error=self._last_error.get(url), console=True,
-                waiting="samples wait and are scored once the server answers; none is dropped",
-            )  # fmt: skip
 
     def _candidates(self, avoid: str | None) -> list[str]:
         """URLs in the order to try: most free room first, round-robin among equals, `avoid` last."""
@@ -548,9 +468,8 @@ class RemoteReward:
         (the adaptive limits' sum), and the limits' `rm_connect_stalls` and `rm_limit_decreases`."""
         out = {f"rm_{k}": float(v) for k, v in self.counts.items()}
         out["rm_in_flight"] = float(sum(self._in_flight.values()))
-        out["rm_samples_waiting"] = float(self._waiting)
-        now = time.monotonic()
-        out["rm_outage_s"] = max((now - t for t in self._down_since.values() if t is not None), default=0.0)
+        out["rm_samples_waiting"] = float(self.outages.samples_waiting)
+        out["rm_outage_s"] = self.outages.outage_s()
         out["rm_limit"] = float(sum(lim.slots for lim in self.limits.values()))
         out["rm_connect_stalls"] = float(sum(lim.stalls for lim in self.limits.values()))
         out["rm_limit_decreases"] = float(sum(lim.decreases for lim in self.limits.values()))
