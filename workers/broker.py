@@ -46,13 +46,15 @@ def open_journal(cfg: VimeConfig, state: BrokerState) -> JournalWriter:
         records, intact = read_journal(path)
         if records and steps_recorded(records) < cfg.num_rollout:
             restore(state, records)
+            writer = JournalWriter(path, truncate_to=intact, **writer_args)  # type: ignore[arg-type]
+            writer.rewrite(compacted(state))  # also drops a torn tail for good
+            # After the rewrite, which records this restart's count: one line per counted restart.
             log.warning(
                 "broker_resumed", journal=str(path), step=state.trained_steps, weight_version=state.published_version,
                 buffered=len(state.buffer), in_training=len(state.training), to_regenerate=len(state.retry_queue),
                 replayable_steps=len(state.step_batches), records=len(records),
+                broker_restarts=state.counters["broker_restarts"],
             )  # fmt: skip
-            writer = JournalWriter(path, truncate_to=intact, **writer_args)  # type: ignore[arg-type]
-            writer.rewrite(compacted(state))  # also drops a torn tail for good
             return writer
         if records:
             log.info("previous_job_finished", journal=str(move_aside(path, "done")))
