@@ -163,6 +163,52 @@ def test_the_limit_grows_while_latency_holds_and_halves_on_stalls() -> None:
     asyncio.run(script())
 
 
+def test_a_level_that_keeps_stalling_is_probed_ever_less_often() -> None:
+    """Each probe of a small server's level costs a step a second or more (issue 15's demo against the
+    standard-library server: 28 stalls in 20 steps, 2x the in-process step time): a probe that stalls
+    again within an interval doubles the wait before the next; one that holds that long resets it."""
+    now = [0.0]
+    lim = AdaptiveLimit(max_limit=64, initial=4, clock=lambda: now[0], probe_interval_s=10.0, max_probe_interval_s=40.0)
+
+    async def rounds(n: int, connect_s: float | None = None) -> None:
+        for _ in range(n):
+            tickets = [await lim.acquire() for _ in range(int(lim.limit))]
+            now[0] += 0.01
+            for t in tickets:
+                lim.release(t, Outcome.OK, latency_s=0.01, connect_s=connect_s)
+
+    async def probe_that_stalls() -> None:
+        level = lim.ceiling
+        while lim.limit < level:  # climbs back to the old level, then the server stalls again
+            await rounds(1)
+        now[0] += 1.0
+        await rounds(1, connect_s=1.0)
+
+    async def script():
+        await rounds(2)
+        await rounds(1, connect_s=1.0)  # the first stall: plateau below it for 10 s
+        assert lim.probe_wait_s == 10.0
+        waits = []
+        for _ in range(3):
+            now[0] += lim.probe_wait_s
+            await probe_that_stalls()
+            waits.append(lim.probe_wait_s)
+        assert waits == [20.0, 40.0, 40.0]  # doubling, up to max_probe_interval_s
+        now[0] += 39.0
+        for _ in range(40):
+            await rounds(1)
+        assert lim.limit <= lim.ceiling - 1  # 39 s < 40 s: still no probe
+        now[0] += 1.0
+        for _ in range(40):
+            await rounds(1)
+        assert lim.ceiling is None  # the probe climbed past the old level
+        now[0] += 41.0  # and held it for longer than the interval
+        await rounds(1, connect_s=1.0)
+        assert lim.probe_wait_s == 10.0  # a stall now is news: back to the first interval
+
+    asyncio.run(script())
+
+
 def test_a_limit_that_is_not_used_does_not_grow() -> None:
     now = [0.0]
     lim = AdaptiveLimit(max_limit=64, initial=4, clock=lambda: now[0])

@@ -14,9 +14,13 @@ window (AIMD):
   avoidance* adds about 1 per round trip (1/limit per completed request).
 - A *stall* (a connection took longer than `stall_s` to open, a round trip exceeded max(8 x best,
   best + `stall_s`), or a request timed out) cuts the limit by 30% and remembers the level that
-  stalled (`ceiling`): the limit then stays at or below `ceiling` - 1 until `probe_interval_s` (10 s)
-  has passed, and only then probes above it. An overload answer (a connection refused or reset while opening, HTTP
-  408/429/502/503/504) halves it too, without a ceiling.
+  stalled (`ceiling`): the limit then stays at or below `ceiling` - 1 until the probe interval has
+  passed, and only then probes above it. The interval starts at `probe_interval_s` (10 s) and doubles
+  whenever a probe stalls within an interval of starting (up to `max_probe_interval_s`, 5 min): each
+  probe of a small server's level costs a step a second or more, so a level that keeps stalling is
+  probed ever less often. A stall after a probe has held that long resets it. An overload answer (a
+  connection refused or reset while opening, HTTP 408/429/502/503/504) halves the limit too, without
+  a ceiling.
 - One cut per burst: only a request sent after the last cut can cause the next one, so the 20 requests
   that stalled together halve the limit once, not twenty times.
 - The limit grows only while it is in use (some request found it full), never above `max_limit`
@@ -72,6 +76,7 @@ class AdaptiveLimit:
         slack_s: float = 0.001,
         stall_s: float = 0.5,
         probe_interval_s: float = 10.0,
+        max_probe_interval_s: float = 300.0,
         window: int = 256,
         adaptive: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -85,6 +90,8 @@ class AdaptiveLimit:
         self.slack_s = slack_s
         self.stall_s = stall_s
         self.probe_interval_s = probe_interval_s
+        self.max_probe_interval_s = max(probe_interval_s, max_probe_interval_s)
+        self.probe_wait_s = probe_interval_s  # the current interval: grows while probes keep stalling
         self.clock = clock
         self.adaptive = adaptive  # False: a fixed limit that only counts stalls (the old client, for benchmarks)
         self.slow_start = True
@@ -94,6 +101,7 @@ class AdaptiveLimit:
         self.stalls = 0
         self.decreases = 0
         self._ceiling_at = -math.inf
+        self._probing_since: float | None = None  # when the limit last began to probe above a ceiling
         self._last_cut = -math.inf
         self._saturation = 0  # bumped whenever a request finds the limit full or just fills it
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -198,14 +206,17 @@ class AdaptiveLimit:
         now = self.clock()
         step = 1.0 if self.slow_start else 1.0 / self.limit
         if self.ceiling is not None:
-            if now - self._ceiling_at < self.probe_interval_s:
+            if now - self._ceiling_at < self.probe_wait_s:
                 cap = max(float(self.min_limit), self.ceiling - 1.0)
                 if self.limit + step > cap:  # plateau just below the level that stalled
                     self.slow_start = False
                     self.limit = max(self.limit, min(self.limit + step, cap))
                     return
-            elif self.limit >= self.ceiling:
-                self.ceiling = None  # probed past the old stall level without a stall: forget it
+            else:
+                if self._probing_since is None:
+                    self._probing_since = now
+                if self.limit >= self.ceiling:
+                    self.ceiling = None  # probed up to the old stall level without a stall: forget it
         self.limit = min(float(self.max_limit), self.limit + step)
 
     def _cut(self, ticket: Ticket, factor: float, *, remember: bool) -> None:
@@ -213,6 +224,12 @@ class AdaptiveLimit:
             return  # sent before the last cut: part of the burst that caused it
         now = self.clock()
         if remember:
+            if self._probing_since is not None and now - self._probing_since < self.probe_wait_s:
+                # The probe stalled within an interval of starting: its level is still too high.
+                self.probe_wait_s = min(self.max_probe_interval_s, 2.0 * self.probe_wait_s)
+            else:
+                self.probe_wait_s = self.probe_interval_s
+            self._probing_since = None
             self.ceiling = self.limit
             self._ceiling_at = now
         self.limit = max(float(self.min_limit), self.limit * factor)
