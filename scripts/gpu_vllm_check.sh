@@ -2,13 +2,15 @@
 # The vLLM rollout path's GPU check, on a GPU machine without a package index, in as few runs as its
 # 10-minute limit allows. vLLM 0.26.0 (the CUDA build that matches torch 2.11) must be installed in
 # /tmp/vllm-site first: `../shared/gpu/prepare-vllm-cuda.sh` prepares it (three runs; see its header).
-#   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped
+#   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped (VIME_GPU_TEST_IDS: some)
 #   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate; one per run)
 #   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
 #   bash scripts/gpu_vllm_check.sh r3         # vime bench r3 through vLLM's routed experts, deeper MoE
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
+# To clear the GPU between calls, kill its compute processes by pid (nvidia-smi --query-compute-apps=pid):
+# `pkill -f vime` would also match the calling shell, whose command line names this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -35,10 +37,13 @@ PY
 for part in "${@:-tests}"; do
   case "$part" in
   tests)
-    timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_vllm_versions.py \
-      tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py tests/test_colocate.py tests/test_vllm_owner_watch.py \
-      "tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks" \
-      "tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc" \
+    # VIME_GPU_TEST_IDS picks some of them (pytest node ids, space-separated) for a call with less time.
+    # -s: a test cut off by the call's limit still leaves its progress in the log.
+    ids=(${VIME_GPU_TEST_IDS:-tests/test_vllm_versions.py tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py
+      tests/test_colocate.py tests/test_vllm_owner_watch.py
+      tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks
+      tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc})
+    timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" "${ids[@]}" \
       2>&1 | tee "$out/pytest_vllm.log" || status=1
     ;;
   pipeline)
