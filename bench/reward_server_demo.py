@@ -27,15 +27,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.stdlib_reward_server import StdlibServer  # noqa: E402
 from vime.metrics import read_metrics, summarize, training_records  # noqa: E402
-
-
-def start_server(port: int) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, str(REPO / "bench" / "stdlib_reward_server.py"), str(port)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert server.stdout is not None
-    server.stdout.readline()  # it prints its port once listening
-    return server
 
 
 def steps_done(run_dir: Path) -> int:
@@ -46,25 +39,24 @@ def steps_done(run_dir: Path) -> int:
 def run_demo(run_dir: Path, args: argparse.Namespace, *extra: str, outage: bool = False) -> dict[str, Any]:
     argv = [sys.executable, "-m", "vime.cli", "run", "configs/demo.yaml", "--run-dir", str(run_dir), "--num-rollout",
             str(args.num_rollout), "--no-progress", *extra]  # fmt: skip
-    server = start_server(args.port) if extra else None
+    server = StdlibServer(args.port) if extra else None
     job = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     down = None
     try:
         while outage and job.poll() is None and down is None:
             if steps_done(run_dir) >= args.outage_at:
                 assert server is not None
-                server.kill()
-                server.wait()
+                server.stop()
                 down = time.monotonic()
                 time.sleep(args.outage_s)
-                server = start_server(args.port)
+                server = StdlibServer(args.port)
             time.sleep(0.2)
         _, stderr = job.communicate(timeout=args.timeout)
     finally:
         if job.poll() is None:
             job.kill()
         if server is not None:
-            server.kill()
+            server.stop()
     if job.returncode != 0:
         raise SystemExit(f"{run_dir.name}: vime run exited {job.returncode}:\n{stderr[-3000:]}")
     return audit(run_dir, outage_s=args.outage_s if down is not None else None, console=stderr)

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 # Per-request info lines would drown the report; set before vime configures logging on import.
 os.environ.setdefault("VIME_LOG_LEVEL", "WARNING")
 
+from bench.stdlib_reward_server import StdlibServer  # noqa: E402
 from vime.protocol.messages import Group, Sample  # noqa: E402
 from vime.rewards import build_reward_fn  # noqa: E402
 from vime.rewards.math import MathReward, MathVerifier  # noqa: E402
@@ -147,21 +148,6 @@ class Server:
         self.log.unlink(missing_ok=True)
 
 
-class StdlibServer:
-    """bench/stdlib_reward_server.py in a subprocess, on a free port."""
-
-    def __init__(self, backlog: int | None = None) -> None:
-        argv = [sys.executable, str(REPO / "bench" / "stdlib_reward_server.py")]
-        if backlog is not None:
-            argv += ["--backlog", str(backlog)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/slime/arithmetic"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
 async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Slime format against the standard-library server: defaults vs the old fixed concurrency."""
     rows = []
@@ -174,7 +160,7 @@ async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
         ("stdlib b128 fixed 64", 128, {"adaptive_concurrency": False}),
     ]
     for name, backlog, kw in cases:
-        server = StdlibServer(backlog)
+        server = StdlibServer(backlog=backlog)
         try:
             settings = RemoteRewardSettings(urls=[server.url], fmt="slime", **kw)
             async with RemoteReward(settings) as client:

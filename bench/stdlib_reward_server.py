@@ -5,11 +5,15 @@ tests/test_reward_outage.py.
 
     python bench/stdlib_reward_server.py [PORT] [--backlog N]   # prints the port it listens on
 
+`StdlibServer` runs it in a subprocess for the benchmarks.
+
 A response of exactly `poison` gets HTTP 500 (a sample that crashes the server's reward function).
 """
 
 import argparse
 import json
+import subprocess
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -37,6 +41,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class StdlibServer:
+    """This server in a subprocess, on `port` (0: a free one); `url` is its slime arithmetic endpoint."""
+
+    def __init__(self, port: int = 0, backlog: int | None = None) -> None:
+        argv = [sys.executable, __file__, str(port)]
+        if backlog is not None:
+            argv += ["--backlog", str(backlog)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/slime/arithmetic"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
 
 
 def main() -> None:

@@ -399,13 +399,12 @@ class LeaderLoop:
 
     async def _publish(self, step: int) -> PublishTimes:
         times = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
-        nbytes, seconds = times.nbytes, times.seconds
         # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
         endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
-        published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=nbytes, seconds=seconds)
+        published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=times.nbytes, seconds=times.seconds)
         self.published_endpoint = endpoint
         await self._send_acked(published, str(self.version))
-        log.info("weights_published", version=self.version, nbytes=nbytes, seconds=round(seconds, 4),
+        log.info("weights_published", version=self.version, nbytes=times.nbytes, seconds=round(times.seconds, 4),
                  export_s=round(times.export_s, 4), copy_s=round(times.copy_s, 4), checksum_s=round(times.checksum_s, 4))  # fmt: skip
         return times
 
