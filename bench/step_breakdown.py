@@ -1,8 +1,9 @@
 """Step-time breakdown of the CPU demo, fully asynchronous vs synchronous, on the same config.
 
-Runs `vime run configs/demo.yaml` once per staleness setting (default: --max-staleness 2, then 0),
-then reads each run's metrics.jsonl and reports, over the steady state (steps after the first, whose
-wait includes engine start-up):
+Runs `vime run configs/demo.yaml` once per mode of `--modes` (default `async,sync`: --max-staleness 2,
+then 0; `colocate` is a sync run with `--colocate`, the engine asleep while the trainer steps), then
+reads each run's metrics.jsonl and reports, over the steady state (steps after the first, whose wait
+includes engine start-up):
 - mean step time and its parts as the trainer sees them: waiting for a batch, training, weight sync;
 - generation and reward work per step (busy seconds of the rollout / reward workers);
 - the fraction of wall time the rollout engine sat idle (no request in flight);
@@ -11,7 +12,8 @@ wait includes engine start-up):
 - rollout tokens/s (generated tokens per second of wall time, all rollout workers);
 - trainer tokens/s per GPU, the model FLOPs per token of the run's `--hf-checkpoint` (vime.bench.flops)
   and MFU against `--peak-tflops` (None without CUDA: a CPU run's MFU against a GPU peak means nothing);
-- the weight update's cost inside each engine: fetch, load and paused seconds per update and per GB.
+- the weight update's cost inside each engine: fetch, load and paused seconds per update and per GB;
+- colocated runs: the engine's turns per step (falling asleep, waking on the new weights).
 
 At a real Qwen3 size on a GPU (vime.demo.model_factory --kind qwen3 makes the checkpoint):
 
@@ -149,6 +151,18 @@ def publish_parts(records: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def colocate_turns(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A colocated run's turns, mean seconds per steady step: the engines falling asleep before the
+    trainer steps, and waking on the new weights after it (of which the hand-over's fetch and load).
+    None for a run without `--colocate`."""
+    steady = records[1:]
+    out: dict[str, float | None] = {}
+    for part in ("sleep", "wake", "weight_fetch", "weight_load"):
+        key = f"perf/colocate_{part}_s"
+        out[f"colocate_{part}_s"] = float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else None
+    return out
+
+
 def run_settings(run_dir: Path) -> tuple[dict[str, Any] | None, int, int]:
     """(the policy's HF config.json or None, trainer ranks, rollout workers) from the run's resolved
     config (RUN_DIR/config.yaml, which includes the flags passed after --)."""
@@ -192,12 +206,24 @@ def breakdown(records: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def run(label: str, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
+def mode_flags(mode: str, async_staleness: int) -> tuple[int, list[str]]:
+    """A mode's (max staleness, extra `vime run` flags)."""
+    if mode == "async":
+        return async_staleness, []
+    if mode == "sync":
+        return 0, []
+    if mode == "colocate":  # the engine sleeps while the trainer steps: nothing to overlap
+        return 0, ["--colocate"]
+    raise ValueError(f"unknown mode {mode!r}: async, sync or colocate")
+
+
+def run(label: str, args: argparse.Namespace) -> dict[str, Any]:
+    staleness, flags = mode_flags(label, args.async_staleness)
     run_dir = Path(args.out) / label
     argv = [
         sys.executable, "-m", "vime.cli", "run", args.config, "--run-dir", str(run_dir),
         "--max-staleness", str(staleness), "--num-rollout", str(args.num_rollout), "--no-progress",
-        "--broker-address", f"tcp://127.0.0.1:{args.port}", *args.extra,
+        "--broker-address", f"tcp://127.0.0.1:{args.port}", *flags, *args.extra,
     ]  # fmt: skip
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
@@ -231,6 +257,7 @@ def report(run_dir: Path, staleness: int, peak_flops: float | None) -> dict[str,
         "reward_last5": summary["reward_last5"],
         **breakdown(records),
         **publish_parts(records),
+        **colocate_turns(records),
         **rollout_throughput(records),
         **trainer,
         **mfu,
@@ -249,6 +276,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--num-rollout", type=int, default=40)
     parser.add_argument("--async-staleness", type=int, default=2)
+    parser.add_argument("--modes", default="async,sync", help="comma-separated runs, in order: async, sync, colocate")
     parser.add_argument("--out", default="runs/bench-step-breakdown")
     parser.add_argument("--port", type=int, default=5577)
     parser.add_argument("--json", action="store_true")
@@ -257,19 +285,24 @@ def main() -> None:
                         help="the GPU's peak bf16 TFLOP/s for MFU (default: H200 dense bf16; without CUDA MFU is not reported)")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more vime run flags (after --)")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        try:
+            mode_flags(mode, args.async_staleness)
+        except ValueError as exc:
+            parser.error(str(exc))
     import torch
 
     # MFU compares with a GPU's peak; a run without CUDA trained on the CPU, where that ratio means nothing.
     args.peak_flops = args.peak_tflops * 1e12 if torch.cuda.is_available() else None
-    results = {
-        "async": run("async", args.async_staleness, args),
-        "sync": run("sync", 0, args),
-    }
-    results["async_speedup_steps_per_s"] = results["async"]["steps_per_s"] / results["sync"]["steps_per_s"]
+    results: dict[str, Any] = {mode: run(mode, args) for mode in modes}
+    for mode in ("async", "colocate"):
+        if mode in results and "sync" in results:
+            results[f"{mode}_speedup_steps_per_s"] = results[mode]["steps_per_s"] / results["sync"]["steps_per_s"]
     if args.json:
         print(json.dumps(results, indent=1))
         return
-    for label in ("async", "sync"):
+    for label in modes:
         r = results[label]
         print(f"{label:5s} staleness<={r['max_staleness']}: step {r['step_time_s']:.3f}s = wait {r['trainer_wait_for_batch_s']:.3f} + "
               f"train {r['trainer_train_s']:.3f} + publish {r['trainer_weight_publish_s']:.3f}; gen busy {r['generation_busy_s_per_step']:.3f}s/step, "
@@ -281,7 +314,12 @@ def main() -> None:
               f"fetch {_show(r['engine_update_fetch_s_per_update'], '.3f', 's')}, load {_show(r['engine_update_load_s_per_update'], '.3f', 's')}, "
               f"paused {_show(r['engine_update_paused_s_per_update'], '.3f', 's')}; per GB: fetch {_show(r['engine_update_fetch_s_per_gb'], '.3f', 's')}, "
               f"load {_show(r['engine_update_load_s_per_gb'], '.3f', 's')}, paused {_show(r['engine_update_paused_s_per_gb'], '.3f', 's')}")
-    print(f"async/sync steps per second: {results['async_speedup_steps_per_s']:.2f}x")
+        if r["colocate_sleep_s"] is not None:
+            print(f"      colocated turns: sleep {r['colocate_sleep_s']:.3f}s, wake {r['colocate_wake_s']:.3f}s "
+                  f"(weights fetch {_show(r['colocate_weight_fetch_s'], '.3f', 's')}, load {_show(r['colocate_weight_load_s'], '.3f', 's')})")
+    for mode in ("async", "colocate"):
+        if f"{mode}_speedup_steps_per_s" in results:
+            print(f"{mode}/sync steps per second: {results[f'{mode}_speedup_steps_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

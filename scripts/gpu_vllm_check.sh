@@ -3,8 +3,8 @@
 # 10-minute limit allows. vLLM 0.26.0 (the CUDA build that matches torch 2.11) must be installed in
 # /tmp/vllm-site first: `../shared/gpu/prepare-vllm-cuda.sh` prepares it (three runs; see its header).
 #   bash scripts/gpu_vllm_check.sh tests      # the vLLM and R3 test files, nothing skipped (VIME_GPU_TEST_IDS: some)
-#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate; one per run)
-#   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes, async vs sync (VIME_GPU_SIZES)
+#   bash scripts/gpu_vllm_check.sh pipeline   # the demo with vLLM rollouts (VIME_GPU_LAYOUTS: torch megatron colocate megatron-colocate)
+#   bash scripts/gpu_vllm_check.sh sizes      # GRPO steps at real Qwen3 sizes (VIME_GPU_SIZES; VIME_GPU_SIZE_MODES: async,sync,colocate)
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
 #   bash scripts/gpu_vllm_check.sh r3         # vime bench r3 through vLLM's routed experts, deeper MoE
@@ -49,13 +49,14 @@ for part in "${@:-tests}"; do
   pipeline)
     # The CPU demo's task with vLLM rollouts on the GPU, `make demo`'s 300 steps and bar: split layout
     # (engine and trainer share the GPU's memory) with the torch and the Megatron backend, then
-    # colocated (the engine sleeps at level 2 while the torch trainer steps; weights over CUDA IPC).
-    for layout in ${VIME_GPU_LAYOUTS:-torch megatron colocate}; do
+    # colocated (the engine sleeps at level 2 while the trainer steps; weights over CUDA IPC), with each backend.
+    for layout in ${VIME_GPU_LAYOUTS:-torch megatron colocate megatron-colocate}; do
       run=/tmp/vime-gpu-vllm-$layout; rm -rf "$run"
       case "$layout" in
         torch) extra=(--train-backend torch --make-demo-model) ;;
         megatron) extra=(--train-backend megatron --make-demo-model) ;;
         colocate) extra=(--train-backend torch --make-demo-model --colocate) ;;
+        megatron-colocate) extra=(--train-backend megatron --make-demo-model --colocate) ;;
         *) echo "unknown layout $layout"; status=2; continue ;;
       esac
       timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
@@ -69,7 +70,8 @@ for part in "${@:-tests}"; do
     ;;
   sizes)
     # GRPO steps at real Qwen3 sizes (random init, the demo task and tokenizer padded to 151936), async
-    # (--max-staleness 2) then sync (0): step-time breakdown, engine idle and trainer wait fractions.
+    # (--max-staleness 2) then sync (0), or colocated (sync, the engine asleep while the trainer steps):
+    # step-time breakdown, engine idle and trainer wait fractions.
     for size in ${VIME_GPU_SIZES:-0.6b}; do
       model=/tmp/vime-qwen3-$size
       python3 -m vime.demo.model_factory --kind qwen3 --size "$size" --out "$model" > /dev/null || { status=1; continue; }
@@ -78,7 +80,7 @@ for part in "${@:-tests}"; do
       memory=(); [ "$size" = 4b ] && memory=(--gradient-checkpointing)
       # The JSON report goes to its own file (stdout); the runs' logs to another.
       timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_SIZE_STEPS:-6}" --json --port "$(free_port)" \
-        --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
+        --modes "${VIME_GPU_SIZE_MODES:-async,sync}" --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
         --rollout-max-response-len 1024 --micro-batch-size 4 --vllm-max-model-len 1152 \
         --vllm-gpu-memory-utilization 0.35 --no-progress "${memory[@]}" > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
       cat "$out/sizes_$size.json"

@@ -197,6 +197,71 @@ def test_an_engine_whose_process_has_gone_is_not_waited_for(tmp_path: Path) -> N
     asyncio.run(scenario())
 
 
+def test_an_engine_that_says_it_leaves_is_not_waited_for_while_still_connected(tmp_path: Path) -> None:
+    """A worker stopping at the end of the job may keep its connection open a while (its engine shuts
+    down); the EngineLeave it sends ends the turn's wait at once, not after the engine timeout."""
+    import time
+
+    import zmq
+    import zmq.asyncio
+
+    from vime.protocol.codec import decode, encode
+    from vime.protocol.colocate import CLIENT_ACCEPTS, EngineJoin, EngineLeave, EngineSleep
+
+    async def scenario() -> None:
+        server = ColocateServer(f"ipc://{tmp_path}/turns.sock", timeout_s=30, engine_timeout_s=30)
+        server.start()
+        ctx = zmq.asyncio.Context()
+        worker = ctx.socket(zmq.DEALER)
+        worker.connect(server.address)
+        try:
+            await worker.send_multipart(encode(EngineJoin(worker_id="rollout-stopping")))
+            await server.wait_for_engines(1, timeout_s=10)
+            turn = asyncio.create_task(server.take_gpu(step=3))
+            command = decode(await asyncio.wait_for(worker.recv_multipart(), 10), expect=CLIENT_ACCEPTS)
+            assert isinstance(command, EngineSleep) and command.step == 3
+            started = time.monotonic()
+            await worker.send_multipart(encode(EngineLeave(worker_id="rollout-stopping")))  # instead of a reply
+            took = await asyncio.wait_for(turn, 10)
+            assert took.engines == 0 and time.monotonic() - started < 5
+            assert server.engines == []
+        finally:
+            worker.close(linger=0)
+            ctx.term()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stopping_client_says_it_leaves(tmp_path: Path) -> None:
+    from vime.protocol.codec import decode
+    from vime.protocol.colocate import SERVER_ACCEPTS, EngineLeave
+
+    import zmq
+    import zmq.asyncio
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        trainer = ctx.socket(zmq.ROUTER)
+        trainer.bind(f"ipc://{tmp_path}/turns.sock")
+        client = asyncio.create_task(ColocateClient(f"ipc://{tmp_path}/turns.sock", "rollout-z", heartbeat_s=0.1).run(SleepyEngine(), _ignore))
+        try:
+            await asyncio.wait_for(trainer.recv_multipart(), 10)  # its first join
+            client.cancel()
+            await asyncio.gather(client, return_exceptions=True)
+            while True:
+                frames = await asyncio.wait_for(trainer.recv_multipart(), 10)
+                message = decode(frames[1:], expect=SERVER_ACCEPTS)
+                if isinstance(message, EngineLeave):
+                    assert message.worker_id == "rollout-z"
+                    break
+        finally:
+            trainer.close(linger=0)
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
 def test_a_colocate_socket_path_too_long_for_ipc_is_a_config_error_naming_the_fix(tmp_path: Path) -> None:
     from vime.config import ConfigError, load_config
 

@@ -168,6 +168,24 @@ def test_publish_parts_are_steady_step_means_or_none() -> None:
     assert set(sb.publish_parts([step_record(i, float(i)) for i in range(3)]).values()) == {None}
 
 
+def test_colocate_turns_are_steady_step_means_or_none() -> None:
+    turns = [{"perf/colocate_sleep_s": s, "perf/colocate_wake_s": 3 * s, "perf/colocate_weight_fetch_s": 0.01,
+              "perf/colocate_weight_load_s": 0.1} for s in (5.0, 0.2, 0.4)]  # fmt: skip
+    out = sb.colocate_turns([step_record(i, float(i), **t) for i, t in enumerate(turns)])
+    assert out["colocate_sleep_s"] == pytest.approx(0.3)  # step 0 (engine start) is left out
+    assert out["colocate_wake_s"] == pytest.approx(0.9)
+    assert out["colocate_weight_fetch_s"] == pytest.approx(0.01)
+    assert set(sb.colocate_turns([step_record(i, float(i)) for i in range(3)]).values()) == {None}  # split layout
+
+
+def test_modes_set_staleness_and_flags() -> None:
+    assert sb.mode_flags("async", 3) == (3, [])
+    assert sb.mode_flags("sync", 3) == (0, [])
+    assert sb.mode_flags("colocate", 3) == (0, ["--colocate"])
+    with pytest.raises(ValueError, match="async, sync or colocate"):
+        sb.mode_flags("split", 3)
+
+
 def test_metrics_without_the_new_totals_give_none() -> None:
     records = [step_record(i, float(i)) for i in range(4)]  # a metrics file from before the keys existed
     assert sb.rollout_throughput(records)["rollout_tokens_per_s"] is None

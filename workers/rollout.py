@@ -152,6 +152,10 @@ class RolloutWorker:
         finally:
             for task in [updater, heartbeat, *([turns] if turns else []), *self.tasks]:
                 task.cancel()
+            if turns is not None:
+                # Let the colocation client say it leaves before the engine's shutdown (which may block
+                # the loop): a trainer handing the GPU back must not wait for this engine's silence.
+                await asyncio.gather(turns, return_exceptions=True)
 
     async def _rejoin(self) -> None:
         """The broker restarted: register again and offer the slots not taken by groups in flight (those

@@ -4,7 +4,8 @@
 heartbeat, and answers every command after carrying it out on the engine. Errors of the engine (it
 cannot sleep, the weight fetch at wake-up failed) go back in the reply, so the trainer stops with the
 reason; this side keeps running. A trainer that is not there yet (or restarts) is simply waited for:
-the DEALER reconnects and the next heartbeat joins again.
+the DEALER reconnects and the next heartbeat joins again. Stopping says EngineLeave, so a trainer in
+the middle of a turn does not wait for an engine that is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vime.protocol.colocate import (
     EngineAsleep,
     EngineAwake,
     EngineJoin,
+    EngineLeave,
     EngineSleep,
     EngineWake,
 )
@@ -32,6 +34,8 @@ from vime.rollout.base import RolloutEngine, WeightUpdateResult
 from vime.security import ClientGuard, Security
 
 log = get_logger("vime.colocate.client")
+
+LEAVE_LINGER_MS = 500  # how long closing may take to deliver the EngineLeave
 
 
 class ColocateClient:
@@ -79,8 +83,18 @@ class ColocateClient:
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
-            self._sock.close(linger=0)
+            self._say_leaving()
+            self._sock.close(linger=LEAVE_LINGER_MS)
             self._ctx.term()
+
+    def _say_leaving(self) -> None:
+        """Tell the trainer not to wait for this engine any more (the job ends, or the worker stops):
+        otherwise a turn sent meanwhile waits until the heartbeats have been missing for the engine
+        timeout. Best effort: a trainer that is gone already needs no word."""
+        try:
+            self._sock.send_multipart(encode(EngineLeave(worker_id=self.worker_id)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("colocate_leave_not_sent", error=str(exc))
 
     async def _heartbeats(self, engine: RolloutEngine) -> None:
         while True:

@@ -6,7 +6,8 @@ told to sleep before it can allocate. `take_gpu` and `give_gpu` wait for every l
 up to `timeout_s`; an engine that reports an error, or does not answer in time, raises ColocateError
 naming it (the caller ends the job: a GPU shared with an engine in an unknown state is not safe to
 train on). An engine silent for `engine_timeout_s` is forgotten (its process died; its work is
-re-leased by the broker) and no longer waited for.
+re-leased by the broker) and no longer waited for; one whose worker says it leaves (EngineLeave, at
+the end of the job) is forgotten at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vime.protocol.colocate import (
     EngineAsleep,
     EngineAwake,
     EngineJoin,
+    EngineLeave,
     EngineSleep,
     EngineWake,
 )
@@ -42,7 +44,7 @@ class ColocateError(RuntimeError):
 class _Engine:
     worker_id: str
     last_seen: float
-    reply: asyncio.Future[EngineAsleep | EngineAwake] | None = None
+    reply: asyncio.Future[EngineAsleep | EngineAwake | None] | None = None  # None: it left
     expect: type[EngineAsleep] | type[EngineAwake] | None = None  # the reply the turn in progress waits for
     expect_step: int = -1
 
@@ -163,7 +165,8 @@ class ColocateServer:
         return stats
 
     async def _reply_of(self, engine: _Engine, what: str, step: int, started: float) -> EngineAsleep | EngineAwake | None:
-        """The engine's reply; None if it fell silent meanwhile (died: no heartbeat for engine_timeout_s)."""
+        """The engine's reply; None if it left or fell silent meanwhile (died: no heartbeat for
+        engine_timeout_s)."""
         assert engine.reply is not None
         while True:
             remaining = self._timeout_s - (time.perf_counter() - started)
@@ -213,6 +216,13 @@ class ColocateServer:
                         # It (re)started while the trainer holds the GPU: it must not allocate now.
                         await self._send(identity, EngineSleep(step=self._step, level=self._sleep_level))
                 engine.last_seen = time.monotonic()
+                continue
+            if isinstance(message, EngineLeave):
+                if engine is not None:
+                    del self._engines[identity]
+                    log.info("colocated_engine_left", engine=engine.worker_id)
+                    if engine.reply is not None and not engine.reply.done():
+                        engine.reply.set_result(None)
                 continue
             if engine is None:
                 log.warning("colocate_reply_from_unknown_engine", message=type(message).__name__)

@@ -5,6 +5,7 @@ The trainer's `ColocateServer` (ROUTER) and each worker's `ColocateClient` (DEAL
     EngineJoin(worker_id, asleep)         every heartbeat: registration and liveness
     EngineSleep(step, level)          ->  EngineAsleep(step, seconds | error)
     EngineWake(step, version, endpoint) -> EngineAwake(step, version, seconds, update timings | error)
+    EngineLeave(worker_id)                the worker stops (end of the job): wait for it no more
 
 The trainer takes the GPU (every engine asleep) before a training step and hands it back (every engine
 awake, on the newest weights) after publishing. An engine that joins while the trainer holds the GPU
@@ -30,6 +31,16 @@ class EngineJoin(Message, tag="engine_join"):
     worker_id: str
     asleep: bool = False
     weight_version: int = 0
+
+    def validate(self) -> None:
+        require(0 < len(self.worker_id) <= 256, "worker_id must be 1-256 chars")
+
+
+class EngineLeave(Message, tag="engine_leave"):
+    """Worker -> trainer, as its worker stops: forget this engine now rather than after its heartbeats
+    have been missing for the engine timeout (a turn in progress stops waiting for it)."""
+
+    worker_id: str
 
     def validate(self) -> None:
         require(0 < len(self.worker_id) <= 256, "worker_id must be 1-256 chars")
@@ -87,6 +98,6 @@ class EngineAwake(Message, tag="engine_awake"):
         require(self.error is None or len(self.error) <= MAX_ERROR_CHARS, "error text too long")
 
 
-SERVER_ACCEPTS: tuple[type[Message], ...] = (EngineJoin, EngineAsleep, EngineAwake)
+SERVER_ACCEPTS: tuple[type[Message], ...] = (EngineJoin, EngineLeave, EngineAsleep, EngineAwake)
 CLIENT_ACCEPTS: tuple[type[Message], ...] = (EngineSleep, EngineWake)
 MAX_MESSAGE_BYTES = 16 << 10
