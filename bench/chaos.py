@@ -11,7 +11,8 @@ A seeded fault schedule then, while the job trains:
   leases when it says Hello again) or a new one (its leases come back when the old lease expires);
 - SIGKILLs the broker once (`--broker-kills`, default 1) and restarts it with the same command line:
   it must resume from its journal (RUN_DIR/broker.journal), and every worker and the trainer reconnect;
-- optionally (`--trainer-kills 1`) SIGKILLs trainer rank 0 and restarts it with `--load latest`.
+- optionally (`--trainer-kills 1`) SIGKILLs trainer rank 0 and restarts it with `--load latest`; under
+  `--supervised`, with `--trainer-ranks N`, any rank (`--trainer-kill-rank`), and all ranks restart.
 
 At the end it checks, from RUN_DIR/status.json (the broker's final status), RUN_DIR/trained_groups.jsonl
 (the trainer's record of the groups of each step; the last record of a step counts) and
@@ -290,7 +291,7 @@ def build_config(args: argparse.Namespace, run_dir: Path, model: Path):  # type:
         rollout_engine=args.engine, rollout_concurrency=args.rollout_concurrency,
         reward_concurrency=args.reward_concurrency, worker_timeout_s=args.worker_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, broker_address=f"tcp://127.0.0.1:{free_port()}",
-        seed=args.seed,
+        seed=args.seed, trainer_world_size=args.trainer_ranks,
     )  # fmt: skip
     if args.max_staleness is not None:
         overrides["max_staleness"] = args.max_staleness
@@ -714,7 +715,8 @@ class SupervisedChaos(Chaos):
                 return False
             names = [self.rng.choice(candidates)]
         else:
-            names = {"broker": ["broker"], "trainer": ["trainer-0"], "job": ["broker", "trainer-0"]}[fault.kind]
+            rank = f"trainer-{self.args.trainer_kill_rank}"
+            names = {"broker": ["broker"], "trainer": [rank], "job": ["broker", "trainer-0"]}[fault.kind]
             if any(n not in table or n in self.awaiting_restart for n in names):
                 return False
         offset = self.broker_log_size()
@@ -728,6 +730,8 @@ class SupervisedChaos(Chaos):
             self.kill_offsets[name] = offset
             self.kills[name] = self.kills.get(name, 0) + 1
         fault.target = fault.restarted_as = names[-1]
+        if fault.kind == "trainer":
+            fault.restarted_as = "trainer-0"  # the ranks restart together; rank 0's Hello to the broker proves it
         fault.pid = int(table[names[-1]]["pid"])
         fault.fired_at_s, fault.steps_at_fire = self.now(), steps
         fault.log_offset = offset  # the victim's next incarnation logs after this
@@ -756,8 +760,8 @@ class SupervisedChaos(Chaos):
         # A restart the harness did not cause is a process that died on its own.
         for name, entry in table.items():
             slot_kills = self.kills.get(name, 0)
-            if name.startswith("trainer-"):
-                slot_kills = self.kills.get("trainer-0", 0)
+            if name.startswith("trainer-"):  # the ranks restart together, whichever was killed
+                slot_kills = sum(n for victim, n in self.kills.items() if victim.startswith("trainer-"))
             extra = int(entry.get("restarts", 0)) - slot_kills
             if extra > 0:
                 self.unexpected_exits.append({"name": name, "code": "?", "at_s": "?", "restarts_not_caused": extra})
@@ -947,6 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker-restart-delay", type=float, default=2.0)
     p.add_argument("--trainer-kills", type=int, help="SIGKILLs of trainer rank 0 (restarted with --load latest); off by default")
     p.add_argument("--trainer-kill-at", type=float, default=0.7)
+    p.add_argument("--trainer-ranks", type=int, default=1, help="trainer ranks (--trainer-world-size); more than 1 needs --supervised")
+    p.add_argument("--trainer-kill-rank", type=int, default=0, help="which trainer rank a trainer kill hits (--supervised; all ranks restart together)")
     p.add_argument("--job-kills", type=int, help="SIGKILLs of the broker and trainer rank 0 together, off a checkpoint step (both restarted)")
     p.add_argument("--job-kill-at", type=float, default=0.55, help="fraction of the steps after which broker and trainer are killed together")
     p.add_argument("--save-interval", type=int, default=4, help="checkpoint interval when the trainer is killed")
@@ -971,6 +977,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.run_dir is None:
         args.run_dir = str(REPO / "runs" / f"chaos-{args.preset}")
+    if args.trainer_ranks < 1 or not 0 <= args.trainer_kill_rank < args.trainer_ranks:
+        raise SystemExit(f"chaos: --trainer-kill-rank {args.trainer_kill_rank} is not one of --trainer-ranks {args.trainer_ranks}")
+    if (args.trainer_ranks > 1 or args.trainer_kill_rank) and not args.supervised:
+        # By hand the harness restarts rank 0 alone; the other ranks' process group is gone with it.
+        raise SystemExit("chaos: --trainer-ranks above 1 and --trainer-kill-rank need --supervised (the ranks restart together)")
     return args
 
 

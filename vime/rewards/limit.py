@@ -128,6 +128,11 @@ class AdaptiveLimit:
         best = min(self._best_now, self._best_before)
         return None if math.isinf(best) else best
 
+    @property
+    def connect_best_s(self) -> float | None:
+        """The fastest a new connection to the server opened lately (this window and the last)."""
+        return self._connect_best()
+
     async def acquire(self) -> Ticket:
         mark = self._saturation  # a request that fills the limit counts as one that found it in use
         if self.in_flight >= self.slots or self._waiters:

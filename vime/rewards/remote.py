@@ -12,6 +12,9 @@ How a request is made (see `docs/reward-servers.md` for the outcome table):
   AIMD from `initial_concurrency`, growing while round trips hold, cutting on connect stalls, timeouts
   and overload answers), at most `concurrency` in all. A twenty-line standard-library server and a big
   one both work at the defaults.
+- A connection that does not open within the quick connect time (`connect_retry_s`, or 4x the fastest
+  lately) is opened again at once, up to `connect_retries` times, rather than waiting a second for the
+  kernel to resend a SYN that a full listen queue dropped; the last try waits the whole timeout.
 - Several URLs share the load: each request goes to the healthy server with the most free room, and a
   retry prefers a different server than the one that just failed.
 - Timeouts, dropped connections, HTTP 408/429/5xx and malformed JSON are retried `retries` times with
@@ -27,7 +30,7 @@ connecting, 408/429/502/503/504, a wrong token that fails everything) they wait 
 tried again with backoff until the servers answer, or until `max_wait_s` has passed. The rule and the
 warnings a waiting job gives are `vime.rewards.outage`'s.
 
-Counters for the worker's heartbeat (`stats()`): requests, retries, circuits opened, holds (rounds that
+Counters for the worker's heartbeat (`stats()`): requests, retries, quick connect retries, circuits opened, holds (rounds that
 waited), samples waiting, outage seconds, the adaptive limit, connect stalls and limit cuts, and failed
 samples by kind (timeout, connection, http_5xx, http_408, http_429, malformed, auth, rejected,
 bad_reply, circuit_open, internal; `unscorable` when the server answered but gave that sample no usable
@@ -74,6 +77,8 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024
 _ERROR_TEXT_CHARS = 300
 # Statuses with which a server says it cannot take the request now: never a sample's fault.
 OVERLOAD_STATUSES = frozenset({408, 429, 502, 503, 504})
+# Linux's first SYN retransmit: a quick connect retry later than this gains nothing.
+SYN_RETRANSMIT_S = 1.0
 
 
 class RemoteRewardSettings(BaseModel):
@@ -102,6 +107,10 @@ class RemoteRewardSettings(BaseModel):
     # Rounds of retries a sample must fail, while the server answers others, to count as its own fault.
     sample_fault_rounds: int = Field(2, ge=1)
     warn_interval_s: float = Field(10.0, gt=0.0)
+    # A connection not open after max(this, 4 x the fastest lately) is abandoned and opened again at once,
+    # up to `connect_retries` times; the last try waits as long as `timeout_s`. 0: no quick retries.
+    connect_retry_s: float = Field(0.2, ge=0.0)
+    connect_retries: int = Field(3, ge=0)
 
     @classmethod
     def from_config(cls, cfg: Any, environ: Mapping[str, str] | None = None) -> RemoteRewardSettings:
@@ -119,6 +128,7 @@ class RemoteRewardSettings(BaseModel):
             breaker_failures=cfg.rm_breaker_failures,
             breaker_reset_s=cfg.rm_breaker_reset_s,
             max_wait_s=cfg.rm_max_wait_s,
+            connect_retry_s=cfg.rm_connect_retry_s,
             token=SecretStr(token) if token else None,
         )
 
@@ -147,12 +157,13 @@ class RewardServerError(Exception):
 class _Trace:
     """Filled in by aiohttp's trace hooks for one request: was a connection made, and how long it took."""
 
-    __slots__ = ("connect_started", "connect_s", "connected")
+    __slots__ = ("connect_started", "connect_s", "connected", "quick_retries")
 
     def __init__(self) -> None:
         self.connect_started = 0.0
         self.connect_s: float | None = None
         self.connected = False
+        self.quick_retries = 0  # connections abandoned because they took longer than the quick connect time
 
 
 async def _on_connect_start(_session: Any, ctx: Any, _params: Any) -> None:
@@ -368,14 +379,7 @@ class RemoteReward:
                 self.counts["requests"] += 1
                 started = time.monotonic()
                 try:
-                    async with session.post(url, data=payload, trace_request_ctx=trace) as resp:
-                        status = resp.status
-                        if (resp.content_length or 0) > MAX_REPLY_BYTES:
-                            raise RewardServerError(
-                                "bad_reply", f"reward server {url} announced a {resp.content_length}-byte reply "
-                                f"(limit {MAX_REPLY_BYTES})", retryable=False, url=url, status=status,
-                            )
-                        body = await resp.read()
+                    status, body = await self._exchange(session, url, payload, trace, limit)
                 except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
                     outcome = Outcome.STALL
                     raise RewardServerError(
@@ -395,6 +399,8 @@ class RemoteReward:
                     ) from exc
             if status in OVERLOAD_STATUSES:
                 outcome = Outcome.OVERLOAD
+            elif trace.quick_retries:
+                outcome = Outcome.STALL  # answered, but a connection stalled first: this level is too high
             elif 200 <= status < 300 or status == 422:  # 422: slime's "this sample cannot be scored"
                 outcome = Outcome.OK
 
@@ -403,6 +409,40 @@ class RemoteReward:
             if ticket is not None:
                 limit.release(ticket, outcome, 0.0 if started is None else time.monotonic() - started, trace.connect_s)
         return self._interpret(url, status, body, items)
+
+    async def _exchange(
+        self, session: aiohttp.ClientSession, url: str, payload: bytes, trace: _Trace, limit: AdaptiveLimit
+    ) -> tuple[int, bytes]:
+        """POST `payload` to `url`: (status, body). A connection that does not open within the quick
+        connect time is abandoned and opened again at once (a SYN dropped by a full listen queue would
+        otherwise wait a second for the kernel's retransmit); the last try waits the whole timeout."""
+        quick_s = self._quick_connect_s(limit)
+        while True:
+            quick = quick_s is not None and trace.quick_retries < self.settings.connect_retries
+            # Not quick: the session's own timeout (passing timeout=None to aiohttp would mean none at all).
+            timeout = {"timeout": aiohttp.ClientTimeout(total=self.settings.timeout_s, sock_connect=quick_s)} if quick else {}
+            try:
+                async with session.post(url, data=payload, trace_request_ctx=trace, **timeout) as resp:
+                    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+                        raise RewardServerError(
+                            "bad_reply", f"reward server {url} announced a {resp.content_length}-byte reply "
+                            f"(limit {MAX_REPLY_BYTES})", retryable=False, url=url, status=resp.status,
+                        )  # fmt: skip
+                    return resp.status, await resp.read()
+            except aiohttp.ConnectionTimeoutError:
+                if not quick:
+                    raise
+                trace.quick_retries += 1
+                self.counts["connect_retries"] += 1
+
+    def _quick_connect_s(self, limit: AdaptiveLimit) -> float | None:
+        """How long a connection may take to open before it is tried again; None: no quick retries (off,
+        or the server's connections are so slow to open that the kernel's own 1 s retransmit is sooner)."""
+        if self.settings.connect_retry_s <= 0:
+            return None
+        best = limit.connect_best_s
+        quick_s = max(self.settings.connect_retry_s, 4.0 * best) if best is not None else self.settings.connect_retry_s
+        return quick_s if quick_s < SYN_RETRANSMIT_S else None
 
     def _interpret(self, url: str, status: int, body: bytes, items: Sequence[ScoreItem]) -> list[RewardResult]:
         """Results from an HTTP reply, or a classified `RewardServerError`."""
