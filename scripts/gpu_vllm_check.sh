@@ -40,7 +40,7 @@ for part in "${@:-tests}"; do
     # VIME_GPU_TEST_IDS picks some of them (pytest node ids, space-separated) for a call with less time.
     # -s: a test cut off by the call's limit still leaves its progress in the log.
     ids=(${VIME_GPU_TEST_IDS:-tests/test_vllm_versions.py tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py
-      tests/test_colocate.py tests/test_vllm_owner_watch.py
+      tests/test_colocate.py tests/test_vllm_owner_watch.py tests/test_rollout_hf.py::test_the_engine_runs_on_the_device_it_is_given
       tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks
       tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc})
     timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" "${ids[@]}" \
@@ -91,8 +91,9 @@ for part in "${@:-tests}"; do
     ;;
   r3)
     # R3 through vLLM's routed experts on a deeper MoE (the Qwen3-30B-A3B layer shape, 4 layers), the
-    # trainer on the GPU; then the bench's own bf16 transformers rollout on the same model, for the abs-diff cut.
-    for engine in vllm builtin; do
+    # trainer on the GPU; then vime's transformers engine and the bench's own bf16 loop on the same model,
+    # for the abs-diff cut (VIME_GPU_R3_ENGINES: some of them).
+    for engine in ${VIME_GPU_R3_ENGINES:-vllm hf builtin}; do
       timeout 280 python3 -m vime.cli bench r3 --json --rollout-engine "$engine" --device cuda --num-layers 4 \
         --hidden-size 2048 --num-heads 32 --num-kv-heads 4 --head-dim 128 --num-experts 128 --top-k 8 \
         --moe-intermediate-size 768 --sft-steps "${VIME_GPU_R3_SFT:-100}" --threads 8 > "$out/r3_$engine.json" \

@@ -279,6 +279,20 @@ def test_interface_errors(loop, engine) -> None:
         loop.run_until_complete(HfRolloutEngine("x").generate(PROMPT, n=1, sampling=SamplingConfig()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in the GPU check)")
+def test_the_engine_runs_on_the_device_it_is_given(loop, model_dir: Path) -> None:
+    """`device`: the model (and its sampling) on the GPU; the logprobs match the model's own on the CPU."""
+    eng = build_engine("hf", str(model_dir), engine_args={"dtype": "float32", "device": "cuda"})
+    loop.run_until_complete(eng.start())
+    try:
+        (s,) = loop.run_until_complete(eng.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=6, seed=3)))
+        assert next(eng._model.parameters()).device.type == "cuda"
+    finally:
+        loop.run_until_complete(eng.shutdown())
+    expected = reference_logprobs(model_dir, None, PROMPT, s.response_tokens.tolist())
+    np.testing.assert_allclose(s.rollout_logprobs, expected, atol=2e-3)
+
+
 # --- R3: routing capture -------------------------------------------------------------------------------
 
 

@@ -153,6 +153,8 @@ def _rollout_with_engine(engine_dir: str, cfg: R3BenchConfig) -> list[Any]:
     from vime.trainer.batch import SampleRecord
 
     args: dict[str, Any] = {"dtype": "bfloat16"}
+    if cfg.rollout_engine == "hf":
+        args["device"] = cfg.device
     if cfg.rollout_engine == "vllm":
         args.update(max_model_len=64, gpu_memory_utilization=0.3, enforce_eager=True)
     engine = build_engine(cfg.rollout_engine, engine_dir, engine_args=args, capture_routing=True)  # type: ignore[arg-type]

@@ -21,7 +21,8 @@ How it keeps the contract:
 engine_args: `dtype` ("float32" default, or "bfloat16"/"float16"), `num_threads` (torch intra-op
 threads, default unchanged), `max_model_len` (default: the model's `max_position_embeddings`),
 `seed` (seeds torch's global generator once at start, for reproducible unseeded sampling),
-`max_concurrent` (decode threads, default 16: more concurrent `generate` calls wait their turn).
+`max_concurrent` (decode threads, default 16: more concurrent `generate` calls wait their turn),
+`device` (where the model runs, default "cpu"; e.g. "cuda" for a model too big for the CPU).
 Unknown keys raise ValueError.
 
 R3: with `capture_routing=True` (constructor flag) every MoE router's top-k is recorded
@@ -56,7 +57,7 @@ from vime.rollout.base import (
 
 log = get_logger(__name__)
 
-_KNOWN_ARGS = {"dtype", "num_threads", "max_model_len", "seed", "max_concurrent"}
+_KNOWN_ARGS = {"dtype", "num_threads", "max_model_len", "seed", "max_concurrent", "device"}
 _SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 # How often a decode thread held at the pause gate looks at its cancel flag: cancelling a frozen
 # `generate` sets a threading.Event that cannot notify the gate's condition.
@@ -192,6 +193,7 @@ class HfRolloutEngine(RolloutEngine):
             torch.manual_seed(int(self._args["seed"]))
         dtype = getattr(torch, str(self._args.get("dtype", "float32")))
         model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=dtype)
+        model.to(str(self._args.get("device", "cpu")))
         model.eval()
         self._device = next(model.parameters()).device
         try:
