@@ -12,7 +12,8 @@ demo's, microseconds of work; `gsm8k`, math-verify in a process pool) scores the
   backlog 5, the arithmetic reward), slime format: the client at its defaults (adaptive concurrency,
   at most 64), the old fixed 64 in flight (`adaptive_concurrency=False`), and the fixed 64 against the
   same server with a backlog of 128, and the defaults without quick connect retries (`connect_retry_s=0`);
-  with `rm_connect_stalls` (connections that took > 0.5 s to open, or were opened again after 0.2 s).
+  with `rm_connect_stalls` (connections that took > 0.5 s to open, or were opened again after 0.2 s) and
+  the CPU milliseconds per request of the client (this process) and of the server.
 Groups have 8 samples like the demo; half the answers are right. Each measurement is repeated
 `--repeats` times after one warm-up pass and the median rate is reported. Client, server and the
 math-verify workers share this machine's cores, so on a small machine the remote numbers include
@@ -149,6 +150,12 @@ class Server:
         self.log.unlink(missing_ok=True)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Slime format against the standard-library server: defaults vs the old fixed concurrency."""
     rows = []
@@ -166,8 +173,13 @@ async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             settings = RemoteRewardSettings(urls=[server.url], fmt="slime", **kw)
             async with RemoteReward(settings) as client:
+                client_cpu, server_cpu = time.process_time(), process_cpu_s(server.proc.pid)
                 row = await rate(client, groups, args.repeats)
+                client_cpu, server_cpu = time.process_time() - client_cpu, process_cpu_s(server.proc.pid) - server_cpu
                 stats = client.stats()
+                # CPU per request of this process (the client; the scoring in the same loop is trivial) and of the server
+                row["client_cpu_ms_per_request"] = 1e3 * client_cpu / max(1.0, stats.get("rm_requests", 0.0))
+                row["server_cpu_ms_per_request"] = 1e3 * server_cpu / max(1.0, stats.get("rm_requests", 0.0))
                 row["requests_per_pass"] = stats.get("rm_requests", 0.0) / (args.repeats + 1)
                 row["connect_stalls_per_pass"] = stats["rm_connect_stalls"] / (args.repeats + 1)
                 row["connect_retries_per_pass"] = stats.get("rm_connect_retries", 0.0) / (args.repeats + 1)
@@ -242,11 +254,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{'reward':<11} {'path':<40} {'rewards/s':>11} {'x in-proc':>9} {'req/pass':>9} {'failed':>6} {'stalls/pass':>11} {'quick/pass':>10}")
+    print(f"{'reward':<11} {'path':<40} {'rewards/s':>11} {'x in-proc':>9} {'req/pass':>9} {'failed':>6} {'stalls/pass':>11} "
+          f"{'quick/pass':>10} {'client ms/req':>13} {'server ms/req':>13}")  # fmt: skip
     for r in rows:
+        cpu = "".join(f" {r[k]:>13.3f}" if k in r else f" {'-':>13}" for k in ("client_cpu_ms_per_request", "server_cpu_ms_per_request"))
         print(f"{r['reward']:<11} {r['path']:<40} {r['rewards_per_s']:>11.0f} {r['vs_in_process']:>9.3f} "
               f"{r.get('requests_per_pass', 0):>9.0f} {r['failed']:>6} {r.get('connect_stalls_per_pass', 0):>11.1f} "
-              f"{r.get('connect_retries_per_pass', 0):>10.1f}")  # fmt: skip
+              f"{r.get('connect_retries_per_pass', 0):>10.1f}{cpu}")  # fmt: skip
 
 
 if __name__ == "__main__":
