@@ -177,10 +177,11 @@ async def run_stdlib(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = await rate(client, groups, args.repeats)
                 client_cpu, server_cpu = time.process_time() - client_cpu, process_cpu_s(server.proc.pid) - server_cpu
                 stats = client.stats()
+                requests = stats.get("rm_requests", 0.0)
                 # CPU per request of this process (the client; the scoring in the same loop is trivial) and of the server
-                row["client_cpu_ms_per_request"] = 1e3 * client_cpu / max(1.0, stats.get("rm_requests", 0.0))
-                row["server_cpu_ms_per_request"] = 1e3 * server_cpu / max(1.0, stats.get("rm_requests", 0.0))
-                row["requests_per_pass"] = stats.get("rm_requests", 0.0) / (args.repeats + 1)
+                row["client_cpu_ms_per_request"] = 1e3 * client_cpu / max(1.0, requests)
+                row["server_cpu_ms_per_request"] = 1e3 * server_cpu / max(1.0, requests)
+                row["requests_per_pass"] = requests / (args.repeats + 1)
                 row["connect_stalls_per_pass"] = stats["rm_connect_stalls"] / (args.repeats + 1)
                 row["connect_retries_per_pass"] = stats.get("rm_connect_retries", 0.0) / (args.repeats + 1)
                 row["final_limit"] = stats["rm_limit"]

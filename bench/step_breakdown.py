@@ -139,28 +139,26 @@ def engine_weight_update_cost(records: list[dict[str, Any]], num_rollout_workers
     return out
 
 
+def _steady_mean(records: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over the steady steps (all but the first); None if any of them lacks it."""
+    steady = records[1:]
+    return float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else None
+
+
 def publish_parts(records: list[dict[str, Any]]) -> dict[str, float | None]:
     """The trainer's weight publish by part, mean seconds per steady step: exporting the tensors from
     the model, copying them into the snapshot, checksumming its chunks. None for metrics from before
     the parts were logged."""
-    steady = records[1:]
-    out: dict[str, float | None] = {}
-    for part in ("export", "copy", "checksum"):
-        key = f"perf/weight_{part}_time"
-        out[f"trainer_weight_{part}_s"] = float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else None
-    return out
+    parts = ("export", "copy", "checksum")
+    return {f"trainer_weight_{part}_s": _steady_mean(records, f"perf/weight_{part}_time") for part in parts}
 
 
 def colocate_turns(records: list[dict[str, Any]]) -> dict[str, float | None]:
     """A colocated run's turns, mean seconds per steady step: the engines falling asleep before the
     trainer steps, and waking on the new weights after it (of which the hand-over's fetch and load).
     None for a run without `--colocate`."""
-    steady = records[1:]
-    out: dict[str, float | None] = {}
-    for part in ("sleep", "wake", "weight_fetch", "weight_load"):
-        key = f"perf/colocate_{part}_s"
-        out[f"colocate_{part}_s"] = float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else None
-    return out
+    parts = ("sleep", "wake", "weight_fetch", "weight_load")
+    return {f"colocate_{part}_s": _steady_mean(records, f"perf/colocate_{part}_s") for part in parts}
 
 
 def run_settings(run_dir: Path) -> tuple[dict[str, Any] | None, int, int]:

@@ -131,7 +131,8 @@ class AdaptiveLimit:
     @property
     def connect_best_s(self) -> float | None:
         """The fastest a new connection to the server opened lately (this window and the last)."""
-        return self._connect_best()
+        best = min(self._connect_now, self._connect_before)
+        return None if math.isinf(best) else best
 
     async def acquire(self) -> Ticket:
         mark = self._saturation  # a request that fills the limit counts as one that found it in use
@@ -197,7 +198,7 @@ class AdaptiveLimit:
             return
         base = self.best_latency_s
         assert base is not None
-        connect_best = self._connect_best()
+        connect_best = self.connect_best_s
         if connect_s is not None:
             self._record_connect(connect_s)
         slow_connect = connect_s is not None and connect_best is not None and connect_s > self.tolerance * connect_best + self.slack_s
@@ -241,10 +242,6 @@ class AdaptiveLimit:
         self.slow_start = False
         self._last_cut = now
         self.decreases += 1
-
-    def _connect_best(self) -> float | None:
-        best = min(self._connect_now, self._connect_before)
-        return None if math.isinf(best) else best
 
     def _record_connect(self, connect_s: float) -> None:
         self._connect_now = min(self._connect_now, connect_s)
