@@ -100,8 +100,9 @@ async def _score_once_serving_when(server: FullQueueServer, settings: RemoteRewa
     has abandoned `retries_before_serving` connections (and 0.3 s more, so a SYN is waiting)."""
     async with RemoteReward(settings) as client:
         scoring = asyncio.create_task(client.score_batch([ScoreItem(id="0", prompt="p", response="four", label="x")]))
-        for _ in range(400):  # the client's quick retries so far decide when the server accepts
-            if client.counts["connect_retries"] >= retries_before_serving:
+        limit = client.limits[server.url]
+        for _ in range(400):  # the request is let through, and its quick retries so far decide when the server accepts
+            if limit.in_flight >= 1 and client.counts["connect_retries"] >= retries_before_serving:
                 break
             await asyncio.sleep(0.025)
         else:
