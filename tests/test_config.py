@@ -120,6 +120,6 @@ def test_rm_flags_reach_the_remote_reward_client() -> None:
     assert settings.token is not None and settings.token.get_secret_value() == "t"
     # unset: samples wait for the servers as long as it takes
     assert RemoteRewardSettings.from_config(parse_config(flags[:4])[0], environ={}).max_wait_s is None
-    assert RemoteRewardSettings.from_config(parse_config(flags[:4])[0], environ={}).connect_retry_s == 0.2
+    assert RemoteRewardSettings.from_config(parse_config(flags[:4])[0], environ={}).connect_retry_s == 0.05
     no_quick = parse_config([*flags[:4], "--rm-connect-retry-s", "0"])[0]
     assert RemoteRewardSettings.from_config(no_quick, environ={}).connect_retry_s == 0.0

@@ -102,7 +102,7 @@ class VimeConfig(BaseModel):
         "this many seconds; default: they wait until the servers answer, and the job pauses",
     )  # fmt: skip
     rm_connect_retry_s: float = Field(
-        0.2, ge=0.0, description="remote_rm: a connection not open after this long (or 4x the fastest lately) "
+        0.05, ge=0.0, description="remote_rm: a connection not open after this long (or 4x the fastest lately) "
         "is tried again at once, up to 3 times, instead of waiting for the kernel's 1 s SYN retransmit "
         "(a small server's full listen queue drops SYNs); 0: off",
     )  # fmt: skip

@@ -109,7 +109,7 @@ class RemoteRewardSettings(BaseModel):
     warn_interval_s: float = Field(10.0, gt=0.0)
     # A connection not open after max(this, 4 x the fastest lately) is abandoned and opened again at once,
     # up to `connect_retries` times; the last try waits as long as `timeout_s`. 0: no quick retries.
-    connect_retry_s: float = Field(0.2, ge=0.0)
+    connect_retry_s: float = Field(0.05, ge=0.0)
     connect_retries: int = Field(3, ge=0)
 
     @classmethod
@@ -316,6 +316,15 @@ class RemoteReward:
     async def _request_with_retries(self, payload: bytes, items: Sequence[ScoreItem], chunk: ChunkWait) -> list[RewardResult]:
         s = self.settings
         last_url: list[str | None] = [None]
+        # Most requests succeed at once: that first try runs outside tenacity, whose per-attempt
+        # bookkeeping costs about as much CPU as the rest of the client. A retryable failure is handed
+        # to tenacity as its first attempt, so backoff, logging and the attempt count stay its own.
+        try:
+            return await self._attempt_any_url(payload, items, last_url, chunk)
+        except RewardServerError as exc:
+            if not exc.retryable or s.retries == 0:
+                raise
+            first_failure: RewardServerError | None = exc
         retrying = AsyncRetrying(
             stop=stop_after_attempt(s.retries + 1),
             wait=wait_exponential_jitter(multiplier=s.backoff_initial_s, max=s.backoff_max_s, jitter=s.backoff_initial_s),
@@ -326,6 +335,9 @@ class RemoteReward:
         results: list[RewardResult] = []
         async for attempt in retrying:
             with attempt:
+                if first_failure is not None:
+                    failure, first_failure = first_failure, None
+                    raise failure
                 results = await self._attempt_any_url(payload, items, last_url, chunk)
         return results
 
