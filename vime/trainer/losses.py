@@ -84,6 +84,17 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def logprobs_and_entropy_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor]:
+    """`logprobs_from_logits` and `entropy_from_logits` together; without `entropy_grad` the entropy is
+    computed without a graph (a loss that does not train it must not keep its [N, V] softmax alive)."""
+    logprobs = logprobs_from_logits(logits, targets, temperature)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits, temperature)
+    return logprobs, entropy
+
+
 class PolicyLossTerms(NamedTuple):
     """Per-token PPO terms; reduce them with `masked_mean` / `masked_sum`."""
 

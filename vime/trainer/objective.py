@@ -1,9 +1,10 @@
 """The policy objective of one micro-batch, shared by every trainer backend.
 
 Both the torch backend (`torch_backend.py`) and the Megatron backend (`megatron/backend.py`) turn a
-micro-batch's logits into the same loss with this one function, so PPO-clip, TIS, entropy and the KL
-penalty are defined once. Backends differ only in how they get the logits (HF model vs Megatron
-GPTModel, with or without pipeline stages) and in how they scale the returned numerator into a gradient:
+micro-batch's token logprobs and entropies into the same loss with this one function, so PPO-clip, TIS,
+entropy and the KL penalty are defined once. Backends differ only in how they get those (the torch
+backend from hidden states through the chunked head, `fused_head.py`; Megatron from its output layer's
+logits) and in how they scale the returned numerator into a gradient:
 the loss is a *numerator* (`losses.masked_sum`), to be divided by the global `losses.loss_denominator`
 of the optimizer step, which makes accumulation over micro-batches and ranks equal one big batch.
 """
@@ -60,7 +61,8 @@ class ObjectiveConfig:
 
 
 def micro_batch_objective(
-    logits: Tensor,
+    logprobs: Tensor,
+    entropy: Tensor,
     mb: MicroBatch,
     old_logprobs: Tensor | None,
     ref_logprobs: Tensor | None,
@@ -68,18 +70,19 @@ def micro_batch_objective(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Loss numerator, detached metric numerators and the policy's logprobs for one micro-batch.
 
-    `logits` are [N, vocab] at `mb.logit_index` (full vocabulary: a tensor-parallel backend gathers its
-    shards first). `old_logprobs` / `ref_logprobs` are [N] aligned with the micro-batch's tokens, on the
-    logits' device; `old_logprobs=None` means the policy has not moved since the rollout batch arrived
-    (a single optimizer step), so the detached logprobs of this very forward are the old ones. Returns (loss, metric sums in `cfg.metric_names` order as float64 on CPU, logprobs).
-    Each metric is summed like the loss (`losses.masked_sum`), so dividing by the step's denominator
-    gives its mean.
+    `logprobs` and `entropy` are [N] float32, one per token of `mb` (under softmax(logits / rollout
+    temperature)); the entropy is trained only with `entropy_coef != 0`. `old_logprobs` /
+    `ref_logprobs` are [N] aligned with the micro-batch's tokens, on the same device; `old_logprobs=None`
+    means the policy has not moved since the rollout batch arrived (a single optimizer step), so the
+    detached logprobs of this very forward are the old ones. Returns (loss, metric sums in
+    `cfg.metric_names` order as float64 on CPU, logprobs). Each metric is summed like the loss
+    (`losses.masked_sum`), so dividing by the step's denominator gives its mean.
     """
 
     def reduce(x: Tensor) -> Tensor:
         return losses.masked_sum(x, mb.loss_mask, mb.token_sample, mb.num_samples, cfg.calculate_per_token_loss)
 
-    lp = losses.logprobs_from_logits(logits, mb.targets, cfg.rollout_temperature)
+    lp = logprobs
     if old_logprobs is None:
         old_logprobs = lp.detach()
     if cfg.advantage_estimator == "gspo":
@@ -95,10 +98,9 @@ def micro_batch_objective(
     if cfg.use_tis:
         extra["ois"] = reduce(torch.exp(-terms.ppo_kl.detach()))  # current / old policy ratio
     pg_loss = reduce(pg)
-    with torch.set_grad_enabled(cfg.entropy_coef != 0.0 and torch.is_grad_enabled()):
-        entropy = reduce(losses.entropy_from_logits(logits, cfg.rollout_temperature))
+    entropy = reduce(entropy if cfg.entropy_coef != 0.0 else entropy.detach())
     loss = pg_loss - cfg.entropy_coef * entropy
-    kl_loss = torch.zeros((), device=logits.device)
+    kl_loss = torch.zeros((), device=lp.device)
     if ref_logprobs is not None:
         kl_loss = reduce(losses.kl_penalty(lp, ref_logprobs, cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl_loss

@@ -61,6 +61,7 @@ from vime.trainer import estimators
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
 from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
+from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 
 log = get_logger(__name__)
@@ -115,6 +116,9 @@ class TorchTrainerConfig:
     use_fsdp: bool = False
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    # Logprobs and entropy through the chunked LM head (fused_head.py); False: full [tokens, vocab]
+    # float32 logits, the path before it (for comparisons)
+    chunked_head: bool = True
     # R3: run policy and reference forwards with the rollout's experts when the batch carries traces
     use_rollout_routing_replay: bool = False
 
@@ -146,21 +150,29 @@ class TorchTrainerConfig:
             raise ValueError("rollout_temperature must be positive")
 
 
-class _ResponseLogits(nn.Module):
-    """Runs the decoder and applies the LM head only at the positions that predict response tokens.
+class _ResponseLogprobs(nn.Module):
+    """Runs the decoder and turns the hidden states at the positions that predict response tokens into
+    those tokens' logprobs and entropies (float32, [N] each).
 
-    Skipping the head on prompt and padding positions saves the largest activation ([tokens, vocab]).
-    Being one module, it is what DDP/FSDP wrap, so their hooks see every parameter.
+    Prompt and padding positions never reach the LM head, and the head's full-vocabulary logits are
+    never held for more than a chunk of tokens (`fused_head.py`). Being one module, it is what DDP/FSDP
+    wrap, so their hooks see every parameter, the head's included.
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, chunked: bool = True) -> None:
         super().__init__()
         self.hf = hf_model
+        self.chunked = chunked
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, targets: Tensor, temperature: float
+    ) -> tuple[Tensor, Tensor]:
         out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
-        return self.hf.get_output_embeddings()(hidden)
+        head = self.hf.get_output_embeddings()
+        if not self.chunked or getattr(head, "bias", None) is not None:  # no Qwen3/Llama/GLM head has a bias
+            return losses.logprobs_and_entropy_from_logits(head(hidden), targets, temperature)
+        return head_logprobs_and_entropy(hidden, head.weight, targets, temperature)
 
 
 class TorchTrainer(PolicyTrainer):
@@ -197,14 +209,14 @@ class TorchTrainer(PolicyTrainer):
         if cfg.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hf_model.to(self.device).train()
-        self.module = _ResponseLogits(self.hf_model)
+        self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head)
 
         self.ref_module: nn.Module | None = None
         if cfg.use_kl_loss:
             ref = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=self.compute_dtype, **load)
             ref.config.use_cache = False
             ref.to(self.device).eval().requires_grad_(False)
-            self.ref_module = _ResponseLogits(ref)
+            self.ref_module = _ResponseLogprobs(ref, cfg.chunked_head)
         # MoE routers (empty for dense models), found before FSDP wraps anything; used by R3
         self._routers = {id(self.module): find_routers(self.hf_model)}
         if self.ref_module is not None:
@@ -282,11 +294,13 @@ class TorchTrainer(PolicyTrainer):
             count = int(t.item())
         return mbs + [None] * (count - len(mbs))
 
-    def _dummy_logits(self, module: nn.Module) -> Tensor:
+    def _dummy_forward(self, module: nn.Module) -> Tensor:
+        """A two-token forward whose logprob joins the collectives of ranks with a micro-batch more."""
         ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
         positions = torch.arange(2, device=self.device)[None]
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         with self._autocast():
-            return module(ids, positions, torch.zeros(1, dtype=torch.int64, device=self.device))
+            return module(ids, positions, zero, zero, self.cfg.rollout_temperature)[0]
 
     def _routing_replay(self, module: nn.Module, mb: MicroBatch) -> contextlib.AbstractContextManager[object]:
         """R3 replay of `mb.replay_ids` on `module`'s routers (a no-op context without traces)."""
@@ -295,12 +309,12 @@ class TorchTrainer(PolicyTrainer):
         bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
         return RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)])
 
-    def _logits(
+    def _logprobs(
         self, module: nn.Module, mb: MicroBatch, replay: bool = False, counts: Tensor | None = None
-    ) -> Tensor:
-        """Logits at `mb.logit_index`; with `replay`, routed with `mb.replay_ids` (R3). With `counts`,
-        the routes the forward used (after any replay) are recorded and their agreement with the
-        rollout's, [matches, routes], is added to `counts` in place."""
+    ) -> tuple[Tensor, Tensor]:
+        """Logprobs and entropies of `mb`'s response tokens; with `replay`, routed with `mb.replay_ids`
+        (R3). With `counts`, the routes the forward used (after any replay) are recorded and their
+        agreement with the rollout's, [matches, routes], is added to `counts` in place."""
         bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
         with contextlib.ExitStack() as stack:
             if replay:
@@ -310,10 +324,10 @@ class TorchTrainer(PolicyTrainer):
             if counts is not None:
                 recorder = stack.enter_context(RoutingRecorder(_hf(bare), routers=self._routers[id(bare)]))
             with self._autocast():
-                logits = module(mb.input_ids, mb.position_ids, mb.logit_index)
+                head = module(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, self.cfg.rollout_temperature)
             if recorder is not None:
                 counts += self._routing_counts(mb, recorder.expert_ids())
-        return logits
+        return head
 
     def _moe_shape(self) -> tuple[int, int, int] | None:
         routers = self._routers[id(self.module)]
@@ -395,11 +409,10 @@ class TorchTrainer(PolicyTrainer):
         counts = torch.zeros(2, dtype=torch.float64)
         for mb in self._synced_micro_batches(shard):
             if mb is None:
-                self._dummy_logits(module)
+                self._dummy_forward(module)
                 continue
             mb = mb.to(self.device)
-            logits = self._logits(module, mb, replay=replay, counts=counts if record else None)
-            lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
+            lp, _ = self._logprobs(module, mb, replay=replay, counts=counts if record else None)
             out[mb.token_index.cpu()] = lp.cpu()
         return out, counts
 
@@ -413,7 +426,7 @@ class TorchTrainer(PolicyTrainer):
         counts: Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step over `shard`. With `counts`, the routing agreement [matches, routes] of
-        the training forwards is added to it (see `_logits`)."""
+        the training forwards is added to it (see `_logprobs`)."""
         cfg = self.cfg
         per_token = cfg.calculate_per_token_loss
         denom = losses.loss_denominator(shard.loss_mask, shard.num_samples, per_token)
@@ -427,17 +440,17 @@ class TorchTrainer(PolicyTrainer):
         for j, mb in enumerate(mbs):
             with self._grad_sync(last=j == len(mbs) - 1):
                 if mb is None:
-                    (self._dummy_logits(self.policy).sum() * 0.0).backward()
+                    (self._dummy_forward(self.policy).sum() * 0.0).backward()
                     continue
                 mb = mb.to(self.device)
                 token_index = mb.token_index.cpu()
                 # The replay stays on through backward: with activation checkpointing the routers run again
                 # in the recompute and must pick the same experts as in the forward.
                 with self._routing_replay(self.policy, mb) if replay else contextlib.nullcontext():
-                    logits = self._logits(self.policy, mb, counts=counts)
+                    lp, entropy = self._logprobs(self.policy, mb, counts=counts)
                     old = None if fill_old else old_lp[token_index].to(self.device)
                     ref = ref_lp[token_index].to(self.device) if ref_lp is not None else None
-                    loss, mb_sums, lp = micro_batch_objective(logits, mb, old, ref, self.objective)
+                    loss, mb_sums, lp = micro_batch_objective(lp, entropy, mb, old, ref, self.objective)
                     if fill_old:
                         old_lp[token_index] = lp.detach().cpu()
                     (loss * scale).backward()
@@ -584,8 +597,8 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _hf(module: nn.Module) -> nn.Module:
-    """The transformers model inside a `_ResponseLogits` (hooks attach to its routers)."""
-    return module.hf if isinstance(module, _ResponseLogits) else module
+    """The transformers model inside a `_ResponseLogprobs` (hooks attach to its routers)."""
+    return module.hf if isinstance(module, _ResponseLogprobs) else module
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:

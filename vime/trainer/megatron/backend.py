@@ -427,7 +427,10 @@ class MegatronTrainer(PolicyTrainer):
             index = mb.token_index.cpu()
             old = None if fill_old else old_lp[index].to(self.device)
             ref = ref_lp[index].to(self.device) if ref_lp is not None else None
-            loss, mb_sums, lp = micro_batch_objective(logits, mb, old, ref, self.objective)
+            lp, entropy = losses.logprobs_and_entropy_from_logits(
+                logits, mb.targets, self.cfg.rollout_temperature, entropy_grad=self.objective.entropy_coef != 0.0
+            )
+            loss, mb_sums, lp = micro_batch_objective(lp, entropy, mb, old, ref, self.objective)
             if weight == 0.0:
                 return loss * 0.0, torch.zeros((), dtype=torch.int, device=self.device)
             if fill_old:
