@@ -1,0 +1,113 @@
+"""Training throughput of the torch backend on real Qwen3 shapes, with and without the chunked LM head.
+
+For each size and head, one `TorchTrainer.train_step` (forward + backward + AdamW) of an RL-like batch
+of random tokens: `--samples` sequences of `--prompt` prompt tokens and response lengths spread evenly
+between half of `--response` and all of it. Prints one JSON line per run: median step seconds,
+tokens/s, model TFLOP/s and MFU (`vime.bench.flops`, against `--peak-tflops`), peak GPU memory and
+peak memory per token.
+
+    python -m vime.bench.torch_train_speed --sizes 0.6b,1.7b --heads chunked,full --out speed.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vime.bench.flops import training_flops_per_token
+from vime.demo.model_factory import make_qwen3_shape
+from vime.trainer.batch import RolloutBatch, SampleRecord
+from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
+
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+def rl_batch(vocab: int, samples: int, prompt: int, response: int, seed: int = 0) -> RolloutBatch:
+    """Random tokens shaped like a rollout batch: groups of 8 sharing a prompt, varied response lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(response // 2, response, samples).astype(int)
+    prompts = [rng.integers(0, vocab, prompt) for _ in range(max(1, samples // 8))]
+    recs = [
+        SampleRecord(group_index=i // 8, prompt_tokens=prompts[min(i // 8, len(prompts) - 1)],
+                     response_tokens=rng.integers(0, vocab, n), rollout_logprobs=np.full(n, -11.0, np.float32),
+                     loss_mask=np.ones(n, np.uint8), reward=float(i % 2))  # fmt: skip
+        for i, n in enumerate(lengths)
+    ]
+    return RolloutBatch.from_samples(recs)
+
+
+def measure(model: Path, head: str, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
+    cuda = args.device == "cuda"
+    cfg = TorchTrainerConfig(hf_checkpoint=str(model), lr=1e-5, device=args.device, chunked_head=head == "chunked",
+                             max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                             gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+    trainer = TorchTrainer(cfg)
+    try:
+        trainer.train_step(batch)  # warm-up: allocator, kernels
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            trainer.train_step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        config = trainer.hf_model.config
+    finally:
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        del trainer
+        if cuda:
+            torch.cuda.empty_cache()
+    tokens = int(batch.tokens.numel())
+    seq = tokens / batch.num_samples
+    step = float(np.median(times))
+    flops = tokens * training_flops_per_token(config, seq)
+    return {"head": head, "step_s": step, "steps_s": times, "tokens": tokens, "tokens_per_s": tokens / step,
+            "tflops": flops / step / 1e12, "mfu": flops / step / (args.peak_tflops * 1e12),
+            "peak_memory_gib": peak / 2**30, "peak_memory_mib_per_token": peak / 2**20 / tokens}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="0.6b,1.7b")
+    parser.add_argument("--heads", default="chunked,full", help="chunked (the default head), full (full-vocabulary logits)")
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--response", type=int, default=2048)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (no memory figures)")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    parser.add_argument("--out", default=None, help="append the JSON lines here too")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            model = make_qwen3_shape(Path(tmp) / size, size)
+            batch = rl_batch(151936, args.samples, args.prompt, args.response)
+            for head in args.heads.split(","):
+                try:
+                    row = {"size": size, **measure(model, head, batch, args)}
+                except torch.OutOfMemoryError as exc:
+                    row = {"size": size, "head": head, "error": f"out of memory: {str(exc)[:200]}"}
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                line = json.dumps(row)
+                print(line, flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
