@@ -98,6 +98,21 @@ def test_vllm_flags_with_the_hf_engine_are_named_in_a_warning(tmp_path: Path) ->
     assert "--vllm-dtype" in warning["dtype"] and "--rollout-dtype" in warning["dtype"]
 
 
+def test_max_tokens_per_gpu_makes_micro_batches_by_token_budget(tmp_path: Path) -> None:
+    """Both backends (MegatronTrainerConfig inherits `from_vime_config`; megatron-core needs a GPU)."""
+    from vime.trainer.torch_backend import TorchTrainerConfig
+
+    path = write(tmp_path, "hf_checkpoint: model\nmicro_batch_size: 4\n")
+    budget, _ = parse_config(["--config", str(path), "--max-tokens-per-gpu", "8192"])
+    plain, _ = parse_config(["--config", str(path)])
+    by_tokens = TorchTrainerConfig.from_vime_config(budget)
+    assert (by_tokens.max_tokens_per_micro_batch, by_tokens.micro_batch_size) == (8192, None)
+    by_samples = TorchTrainerConfig.from_vime_config(plain)
+    assert (by_samples.max_tokens_per_micro_batch, by_samples.micro_batch_size) == (None, 4)
+    with pytest.raises(ConfigError, match="max_tokens_per_gpu"):
+        load_config(path, {"max_tokens_per_gpu": 0})
+
+
 def test_gradient_checkpointing_flag_reaches_the_torch_trainer(tmp_path: Path) -> None:
     from vime.trainer.torch_backend import TorchTrainerConfig
 

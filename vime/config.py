@@ -176,6 +176,10 @@ class VimeConfig(BaseModel):
     trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel)")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step (default: all)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on one rank")
+    max_tokens_per_gpu: int | None = Field(
+        None, ge=1, description="micro-batches by token budget (slime's name): at most this many padded tokens "
+        "(rows x longest row) per forward/backward on one rank, however many samples; replaces micro_batch_size",
+    )  # fmt: skip
     advantage_estimator: Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
         "grpo", description="ppo trains a critic (torch backend); gspo uses sequence-level ratios"
     )

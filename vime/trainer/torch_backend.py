@@ -125,10 +125,14 @@ class TorchTrainerConfig:
     @classmethod
     def from_vime_config(cls, cfg: Any, **extra: Any) -> TorchTrainerConfig:
         """The settings a job's `VimeConfig` gives this trainer: every field whose name is also a field
-        of the job's config (the flag names are the same), paths as strings, plus `extra`."""
+        of the job's config (the flag names are the same), paths as strings, plus `extra`. The job's
+        `max_tokens_per_gpu` (slime's name) is this trainer's `max_tokens_per_micro_batch` and then
+        replaces `micro_batch_size`."""
         shared = {f.name for f in dataclasses.fields(cls)} & set(type(cfg).model_fields)
         values = {name: getattr(cfg, name) for name in shared}
         values = {name: os.fspath(v) if isinstance(v, os.PathLike) else v for name, v in values.items()}
+        if getattr(cfg, "max_tokens_per_gpu", None) is not None:
+            values.update(max_tokens_per_micro_batch=cfg.max_tokens_per_gpu, micro_batch_size=None)
         return cls(**values, **extra)
 
     def __post_init__(self) -> None:
