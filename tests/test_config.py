@@ -125,6 +125,17 @@ def test_gradient_checkpointing_flag_reaches_the_torch_trainer(tmp_path: Path) -
         load_config(path, {"gradient_checkpointing": True, "train_backend": "megatron"})
 
 
+def test_torch_compile_flag_reaches_the_torch_trainer_and_is_refused_for_megatron(tmp_path: Path) -> None:
+    from vime.trainer.torch_backend import TorchTrainerConfig
+
+    path = write(tmp_path, "hf_checkpoint: model\n")
+    on, _ = parse_config(["--config", str(path), "--torch-compile"])
+    assert TorchTrainerConfig.from_vime_config(on).torch_compile is True
+    assert TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path)])[0]).torch_compile is False
+    with pytest.raises(ConfigError, match="torch_compile is the torch backend's"):
+        load_config(path, {"torch_compile": True, "train_backend": "megatron"})
+
+
 def test_rm_flags_reach_the_remote_reward_client() -> None:
     from vime.rewards.remote import RemoteRewardSettings
 

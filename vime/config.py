@@ -214,6 +214,10 @@ class VimeConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="torch backend: recompute each layer's activations in the backward (Megatron: --recompute-granularity)",
     )  # fmt: skip
+    torch_compile: bool = Field(
+        False, description="torch backend: compile each decoder layer with torch.compile (fuses the norms', rotary's "
+        "and SwiGLU's elementwise kernels; the first steps pay the compile)",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -334,6 +338,8 @@ class VimeConfig(BaseModel):
             if self.gradient_checkpointing:
                 raise ValueError("gradient_checkpointing is the torch backend's; the Megatron backend recomputes "
                                  "activations with --recompute-granularity full (or selective)")  # fmt: skip
+            if self.torch_compile:
+                raise ValueError("torch_compile is the torch backend's; the Megatron backend has its own fused kernels")
             import importlib.util
 
             te = importlib.util.find_spec("transformer_engine") is not None

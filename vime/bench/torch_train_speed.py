@@ -1,12 +1,14 @@
-"""Training throughput of the torch backend on real Qwen3 shapes, with and without the chunked LM head.
+"""Training throughput of the torch backend on real Qwen3 shapes: the chunked LM head against full
+logits, and with or without torch.compile of the decoder layers (`--compile off,on`).
 
-For each size and head, one `TorchTrainer.train_step` (forward + backward + AdamW) of an RL-like batch
-of random tokens: `--samples` sequences of `--prompt` prompt tokens and response lengths spread evenly
+For each size, head and compile setting, one `TorchTrainer.train_step` (forward + backward + AdamW) of
+an RL-like batch of random tokens: `--samples` sequences of `--prompt` prompt tokens and response lengths spread evenly
 between half of `--response` and all of it. Prints one JSON line per run: median step seconds,
 tokens/s, model TFLOP/s and MFU (`vime.bench.flops`, against `--peak-tflops`), peak GPU memory and
 peak memory per token.
 
     python -m vime.bench.torch_train_speed --sizes 0.6b,1.7b --heads chunked,full --out speed.jsonl
+    python -m vime.bench.torch_train_speed --sizes 1.7b --heads chunked --compile off,on
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def rl_batch(vocab: int, samples: int, prompt: int, response: int, seed: int = 0
     return RolloutBatch.from_samples(recs)
 
 
-def measure(model: Path, head: str, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
+def measure(model: Path, head: str, compiled: bool, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     cfg = TorchTrainerConfig(hf_checkpoint=str(model), lr=1e-5, device=args.device, chunked_head=head == "chunked",
                              max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                             gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+                             gradient_checkpointing=args.gradient_checkpointing, torch_compile=compiled)  # fmt: skip
     trainer = TorchTrainer(cfg)
     try:
-        trainer.train_step(batch)  # warm-up: allocator, kernels
+        t0 = time.perf_counter()
+        trainer.train_step(batch)  # warm-up: allocator, kernels, compilation
+        first_step = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -71,7 +75,8 @@ def measure(model: Path, head: str, batch: RolloutBatch, args: argparse.Namespac
     seq = tokens / batch.num_samples
     step = float(np.median(times))
     flops = tokens * training_flops_per_token(config, seq)
-    return {"head": head, "step_s": step, "steps_s": times, "tokens": tokens, "tokens_per_s": tokens / step,
+    return {"head": head, "compiled": compiled, "first_step_s": first_step, "step_s": step, "steps_s": times,
+            "tokens": tokens, "tokens_per_s": tokens / step,
             "tflops": flops / step / 1e12, "mfu": flops / step / (args.peak_tflops * 1e12),
             "peak_memory_gib": peak / 2**30, "peak_memory_mib_per_token": peak / 2**20 / tokens}  # fmt: skip
 
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="0.6b,1.7b")
     parser.add_argument("--heads", default="chunked,full", help="chunked (the default head), full (full-vocabulary logits)")
+    parser.add_argument("--compile", default="off", help="off, on or off,on: torch.compile the decoder layers")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--response", type=int, default=2048)
@@ -94,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             model = make_qwen3_shape(Path(tmp) / size, size)
             batch = rl_batch(151936, args.samples, args.prompt, args.response)
-            for head in args.heads.split(","):
+            for head, compiled in [(h, c == "on") for h in args.heads.split(",") for c in args.compile.split(",")]:
                 try:
-                    row = {"size": size, **measure(model, head, batch, args)}
+                    row = {"size": size, **measure(model, head, compiled, batch, args)}
                 except torch.OutOfMemoryError as exc:
                     row = {"size": size, "head": head, "error": f"out of memory: {str(exc)[:200]}"}
                     if torch.cuda.is_available():

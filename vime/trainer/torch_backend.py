@@ -115,6 +115,8 @@ class TorchTrainerConfig:
     seed: int = 1234
     use_fsdp: bool = False
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (its norms, rotary and SwiGLU become fused kernels)
+    torch_compile: bool = False
     attn_implementation: str = "sdpa"
     # Logprobs and entropy through the chunked LM head (fused_head.py); False: full [tokens, vocab]
     # float32 logits, the path before it (for comparisons)
@@ -213,6 +215,8 @@ class TorchTrainer(PolicyTrainer):
         if cfg.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hf_model.to(self.device).train()
+        if cfg.torch_compile:
+            _compile_layers(self.hf_model)
         self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head)
 
         self.ref_module: nn.Module | None = None
@@ -598,6 +602,17 @@ def _resolve_device(device: str) -> torch.device:
     if local_rank is not None:
         torch.cuda.set_device(int(local_rank))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _compile_layers(hf_model: nn.Module) -> None:
+    """torch.compile every decoder layer in place: the modules and their parameters stay as they are, so
+    DDP, FSDP2, weight export and checkpoints see the same model. Identical layers share one compiled
+    graph, and sequence lengths are dynamic, so a new micro-batch shape does not compile again."""
+    layers = getattr(hf_model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"torch_compile: {type(hf_model).__name__} has no decoder layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def _hf(module: nn.Module) -> nn.Module:
