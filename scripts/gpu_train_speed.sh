@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Training throughput on the GPU machine in one call: the torch backend at real Qwen3 sizes with the
-# chunked LM head and with full-vocabulary logits (`vime.bench.torch_train_speed`), then the Megatron
-# backend's training, R3 and speed checks against the torch backend (`vime.bench.megatron_check`).
+# Training throughput on the GPU machine in one call (~6 min): the torch backend at real Qwen3 sizes with
+# the chunked LM head and with full-vocabulary logits, then with --torch-compile
+# (`vime.bench.torch_train_speed`), then the Megatron backend's training, R3 and speed checks against
+# the torch backend (`vime.bench.megatron_check`).
 # Carry `.vllm-cuda/deps` (vime's pure dependencies and megatron-core for Python 3.12, made by
 # `../shared/gpu/prepare-vllm-cuda.sh`). Results: $OUT (or /tmp/vime-gpu) as JSON lines and logs.
 #   bash scripts/gpu_train_speed.sh     # VIME_GPU_SPEED_SIZES (0.6b,1.7b); VIME_GPU_SPEED_4B=0, VIME_GPU_MEGATRON=0 skip parts
@@ -17,13 +18,17 @@ status=0
 timeout 240 python3 -m vime.bench.torch_train_speed --sizes "${VIME_GPU_SPEED_SIZES:-0.6b,1.7b}" --heads chunked,full \
   --out "$out/torch_train_speed.jsonl" > "$out/torch_train_speed.log" 2>&1 || status=1
 grep '^{"size"' "$out/torch_train_speed.log"
+# --torch-compile on the chunked head (the first step compiles)
+timeout 200 python3 -m vime.bench.torch_train_speed --sizes "${VIME_GPU_SPEED_SIZES:-0.6b,1.7b}" --heads chunked --compile on \
+  --out "$out/torch_train_speed.jsonl" > "$out/torch_train_speed_compile.log" 2>&1 || status=1
+grep '^{"size"' "$out/torch_train_speed_compile.log"
 if [ "${VIME_GPU_MEGATRON:-1}" = 1 ]; then
   timeout 200 python3 -m vime.bench.megatron_check --only train r3 speed --out "$out/megatron_check.jsonl" \
     > "$out/megatron_check.log" 2>&1 || status=1
   grep -o '"check": "[^"]*"\|"passed": [a-z]*\|"mfu": [0-9.]*\|"tokens_per_s": [0-9.]*' "$out/megatron_check.jsonl" | paste -sd' '
 fi
 if [ "${VIME_GPU_SPEED_4B:-1}" = 1 ]; then
-  timeout 150 python3 -m vime.bench.torch_train_speed --sizes 4b --heads chunked,full --gradient-checkpointing \
+  timeout 200 python3 -m vime.bench.torch_train_speed --sizes 4b --heads chunked,full --compile off,on --gradient-checkpointing \
     --out "$out/torch_train_speed.jsonl" > "$out/torch_train_speed_4b.log" 2>&1 || status=1
   grep '^{"size"' "$out/torch_train_speed_4b.log"
 fi
