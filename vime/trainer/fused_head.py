@@ -43,10 +43,11 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int,
-                compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # fmt: skip
+                compute_dtype: torch.dtype, with_entropy: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        # without entropy: an empty stand-in, so the function's outputs stay tensors
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         w = weight.to(compute_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -56,8 +57,9 @@ class _ChunkedHead(torch.autograd.Function):
                 chunk_lse = torch.logsumexp(z, dim=-1)
                 lse[start:end] = chunk_lse
                 logprobs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-                p = torch.sub(z, chunk_lse[:, None]).exp_()
-                entropy[start:end] = chunk_lse - p.mul_(z).sum(dim=-1)
+                if with_entropy:
+                    p = torch.sub(z, chunk_lse[:, None]).exp_()
+                    entropy[start:end] = chunk_lse - p.mul_(z).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         ctx.set_materialize_grads(False)
@@ -66,8 +68,10 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
+        if grad_entropy is not None and grad_entropy.numel() == 0:
+            grad_entropy = None  # the empty stand-in of a call without entropy
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         temperature, chunk, cd = ctx.temperature, ctx.chunk, ctx.compute_dtype
         w = weight.to(cd)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -100,18 +104,20 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_weight += (g.t() @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def head_logprobs_and_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None
-) -> tuple[Tensor, Tensor]:
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """log p(target) and the entropy of softmax(hidden @ weight.T / temperature), per token, float32.
 
     `hidden` is [N, H] (the decoder's last hidden states at the positions that predict `targets`),
     `weight` the LM head's [V, H] (no bias: Qwen3, Llama and GLM heads have none), `targets` [N] int64.
     Both outputs carry gradients to `hidden` and `weight`; an output the loss does not use costs
-    nothing in the backward. `chunk_tokens` defaults to `default_chunk_tokens(V)`.
+    nothing in the backward. Without `with_entropy` the entropy is not computed (None): the logprobs
+    alone, as for old and reference logprobs. `chunk_tokens` defaults to `default_chunk_tokens(V)`.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -120,4 +126,7 @@ def head_logprobs_and_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    return _ChunkedHead.apply(hidden, weight, targets.long(), float(temperature), int(chunk), _compute_dtype(hidden))
+    logprobs, entropy = _ChunkedHead.apply(
+        hidden, weight, targets.long(), float(temperature), int(chunk), _compute_dtype(hidden), with_entropy
+    )
+    return logprobs, entropy if with_entropy else None

@@ -165,20 +165,25 @@ class _ResponseLogprobs(nn.Module):
     wrap, so their hooks see every parameter, the head's included.
     """
 
-    def __init__(self, hf_model: nn.Module, chunked: bool = True) -> None:
+    def __init__(self, hf_model: nn.Module, chunked: bool = True, entropy_grad: bool = True) -> None:
         super().__init__()
         self.hf = hf_model
         self.chunked = chunked
+        self.entropy_grad = entropy_grad  # False: a loss that does not train the entropy (entropy_coef 0)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, targets: Tensor, temperature: float
-    ) -> tuple[Tensor, Tensor]:
+        self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, targets: Tensor, temperature: float,
+        with_entropy: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
         head = self.hf.get_output_embeddings()
-        if not self.chunked or getattr(head, "bias", None) is not None:  # no Qwen3/Llama/GLM head has a bias
-            return losses.logprobs_and_entropy_from_logits(head(hidden), targets, temperature)
-        return head_logprobs_and_entropy(hidden, head.weight, targets, temperature)
+        if self.chunked and getattr(head, "bias", None) is None:  # no Qwen3/Llama/GLM head has a bias
+            return head_logprobs_and_entropy(hidden, head.weight, targets, temperature, with_entropy=with_entropy)
+        logits = head(hidden)
+        if not with_entropy:
+            return losses.logprobs_from_logits(logits, targets, temperature), None
+        return losses.logprobs_and_entropy_from_logits(logits, targets, temperature, entropy_grad=self.entropy_grad)
 
 
 class TorchTrainer(PolicyTrainer):
@@ -217,14 +222,14 @@ class TorchTrainer(PolicyTrainer):
         self.hf_model.to(self.device).train()
         if cfg.torch_compile:
             _compile_layers(self.hf_model)
-        self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head)
+        self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head, entropy_grad=cfg.entropy_coef != 0.0)
 
         self.ref_module: nn.Module | None = None
         if cfg.use_kl_loss:
             ref = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=self.compute_dtype, **load)
             ref.config.use_cache = False
             ref.to(self.device).eval().requires_grad_(False)
-            self.ref_module = _ResponseLogprobs(ref, cfg.chunked_head)
+            self.ref_module = _ResponseLogprobs(ref, cfg.chunked_head, entropy_grad=False)
         # MoE routers (empty for dense models), found before FSDP wraps anything; used by R3
         self._routers = {id(self.module): find_routers(self.hf_model)}
         if self.ref_module is not None:
@@ -308,7 +313,7 @@ class TorchTrainer(PolicyTrainer):
         positions = torch.arange(2, device=self.device)[None]
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         with self._autocast():
-            return module(ids, positions, zero, zero, self.cfg.rollout_temperature)[0]
+            return module(ids, positions, zero, zero, self.cfg.rollout_temperature, False)[0]
 
     def _routing_replay(self, module: nn.Module, mb: MicroBatch) -> contextlib.AbstractContextManager[object]:
         """R3 replay of `mb.replay_ids` on `module`'s routers (a no-op context without traces)."""
@@ -318,11 +323,13 @@ class TorchTrainer(PolicyTrainer):
         return RoutingReplay(_hf(bare), mb.replay_ids, routers=self._routers[id(bare)])
 
     def _logprobs(
-        self, module: nn.Module, mb: MicroBatch, replay: bool = False, counts: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Logprobs and entropies of `mb`'s response tokens; with `replay`, routed with `mb.replay_ids`
-        (R3). With `counts`, the routes the forward used (after any replay) are recorded and their
-        agreement with the rollout's, [matches, routes], is added to `counts` in place."""
+        self, module: nn.Module, mb: MicroBatch, replay: bool = False, counts: Tensor | None = None,
+        with_entropy: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logprobs and entropies (None without `with_entropy`) of `mb`'s response tokens; with
+        `replay`, routed with `mb.replay_ids` (R3). With `counts`, the routes the forward used (after any
+        replay) are recorded and their agreement with the rollout's, [matches, routes], is added to
+        `counts` in place."""
         bare = self.module if module is self.policy else module  # hooks go on the model DDP wraps
         with contextlib.ExitStack() as stack:
             if replay:
@@ -332,7 +339,8 @@ class TorchTrainer(PolicyTrainer):
             if counts is not None:
                 recorder = stack.enter_context(RoutingRecorder(_hf(bare), routers=self._routers[id(bare)]))
             with self._autocast():
-                head = module(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, self.cfg.rollout_temperature)
+                head = module(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, self.cfg.rollout_temperature,
+                              with_entropy)  # fmt: skip
             if recorder is not None:
                 counts += self._routing_counts(mb, recorder.expert_ids())
         return head
@@ -420,7 +428,7 @@ class TorchTrainer(PolicyTrainer):
                 self._dummy_forward(module)
                 continue
             mb = mb.to(self.device)
-            lp, _ = self._logprobs(module, mb, replay=replay, counts=counts if record else None)
+            lp, _ = self._logprobs(module, mb, replay=replay, counts=counts if record else None, with_entropy=False)
             out[mb.token_index.cpu()] = lp.cpu()
         return out, counts
 
@@ -608,10 +616,7 @@ def _compile_layers(hf_model: nn.Module) -> None:
     """torch.compile every decoder layer in place: the modules and their parameters stay as they are, so
     DDP, FSDP2, weight export and checkpoints see the same model. Identical layers share one compiled
     graph, and sequence lengths are dynamic, so a new micro-batch shape does not compile again."""
-    layers = getattr(hf_model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"torch_compile: {type(hf_model).__name__} has no decoder layers to compile")
-    for layer in layers:
+    for layer in _decoder_layers(hf_model):
         layer.compile(dynamic=True)
 
 
@@ -621,11 +626,11 @@ def _hf(module: nn.Module) -> nn.Module:
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one (transformers names them in `_no_split_modules`)."""
+    """The repeated blocks to shard or compile one by one (transformers names them in `_no_split_modules`)."""
     names = set(getattr(hf_model, "_no_split_modules", None) or [])
     layers = [m for m in hf_model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"cannot find decoder layers of {type(hf_model).__name__} to shard with FSDP2")
+        raise ValueError(f"cannot find decoder layers of {type(hf_model).__name__} (to shard with FSDP2 or compile)")
     return layers
 
 
