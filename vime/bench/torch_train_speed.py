@@ -23,12 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vime.bench.flops import training_flops_per_token
+from vime.bench.flops import H200_BF16_PEAK_FLOPS, training_flops_per_token
 from vime.demo.model_factory import make_qwen3_shape
 from vime.trainer.batch import RolloutBatch, SampleRecord
 from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
-
-H200_BF16_PEAK_TFLOPS = 989.0
 
 
 def rl_batch(vocab: int, samples: int, prompt: int, response: int, seed: int = 0) -> RolloutBatch:
@@ -54,10 +52,10 @@ def measure(model: Path, head: str, compiled: bool, batch: RolloutBatch, args: a
     try:
         t0 = time.perf_counter()
         trainer.train_step(batch)  # warm-up: allocator, kernels, compilation
-        first_step = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        first_step = time.perf_counter() - t0
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (no memory figures)")
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
     parser.add_argument("--out", default=None, help="append the JSON lines here too")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
