@@ -76,6 +76,17 @@ def test_an_unused_output_gets_no_gradient_work() -> None:
     assert torch.count_nonzero(h.grad) == 0  # a zero upstream gradient gives zero, not garbage
 
 
+def test_without_entropy_the_logprobs_are_the_same_and_still_train() -> None:
+    hidden, weight, targets = _inputs()
+    h = hidden.clone().requires_grad_(True)
+    lp, ent = head_logprobs_and_entropy(h, weight, targets, 0.7, chunk_tokens=5, with_entropy=False)
+    assert ent is None
+    torch.testing.assert_close(lp, head_logprobs_and_entropy(hidden, weight, targets, 0.7, chunk_tokens=5)[0], rtol=0, atol=0)
+    lp.sum().backward()
+    want = _grads(_plain, hidden, weight, targets, 0.7, torch.ones(hidden.shape[0]), None)[2]
+    _assert_near(h.grad, want, 1e-5)
+
+
 def test_bad_shapes_and_temperature_are_refused() -> None:
     hidden, weight, targets = _inputs(n=4)
     with pytest.raises(ValueError, match=r"hidden \[N, H\]"):
