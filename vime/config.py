@@ -218,6 +218,10 @@ class VimeConfig(BaseModel):
         False, description="torch backend: compile each decoder layer with torch.compile (fuses the norms', rotary's "
         "and SwiGLU's elementwise kernels; the first steps pay the compile)",
     )  # fmt: skip
+    pack_sequences: Literal["auto", "on", "off"] = Field(
+        "off", description="torch backend: put a micro-batch's samples end to end in one row with variable-length "
+        "attention, so no padding is computed; auto: on with CUDA (flash varlen kernel), off on CPU",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -340,6 +344,9 @@ class VimeConfig(BaseModel):
                                  "activations with --recompute-granularity full (or selective)")  # fmt: skip
             if self.torch_compile:
                 raise ValueError("torch_compile is the torch backend's; the Megatron backend has its own fused kernels")
+            if self.pack_sequences == "on":
+                raise ValueError("pack_sequences is the torch backend's; the Megatron backend pads its micro-batches "
+                                 "(packed THD batches need TransformerEngine's attention)")  # fmt: skip
             import importlib.util
 
             te = importlib.util.find_spec("transformer_engine") is not None

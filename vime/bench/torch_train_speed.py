@@ -1,14 +1,16 @@
 """Training throughput of the torch backend on real Qwen3 shapes: the chunked LM head against full
-logits, and with or without torch.compile of the decoder layers (`--compile off,on`).
+logits, with or without torch.compile of the decoder layers (`--compile off,on`), padded or packed
+micro-batches (`--pack off,on`).
 
-For each size, head and compile setting, one `TorchTrainer.train_step` (forward + backward + AdamW) of
+For each size, head, compile and packing setting, one `TorchTrainer.train_step` (forward + backward + AdamW) of
 an RL-like batch of random tokens: `--samples` sequences of `--prompt` prompt tokens and response lengths spread evenly
 between half of `--response` and all of it. Prints one JSON line per run: median step seconds,
 tokens/s, model TFLOP/s and MFU (`vime.bench.flops`, against `--peak-tflops`), peak GPU memory and
-peak memory per token.
+peak memory per token. `--check-pack` also prints, per size, how far packed logprobs (flash varlen
+attention) are from padded ones (SDPA) in the same bf16 model, beside how far bf16 is from float32.
 
     python -m vime.bench.torch_train_speed --sizes 0.6b,1.7b --heads chunked,full --out speed.jsonl
-    python -m vime.bench.torch_train_speed --sizes 1.7b --heads chunked --compile off,on
+    python -m vime.bench.torch_train_speed --sizes 1.7b --heads chunked --compile off,on --pack off,on --check-pack
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def rl_batch(vocab: int, samples: int, prompt: int, response: int, seed: int = 0
     return RolloutBatch.from_samples(recs)
 
 
-def measure(model: Path, head: str, compiled: bool, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    model: Path, head: str, compiled: bool, packed: bool, batch: RolloutBatch, args: argparse.Namespace
+) -> dict[str, Any]:
     cuda = args.device == "cuda"
     cfg = TorchTrainerConfig(hf_checkpoint=str(model), lr=1e-5, device=args.device, chunked_head=head == "chunked",
                              max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                             gradient_checkpointing=args.gradient_checkpointing, torch_compile=compiled)  # fmt: skip
+                             gradient_checkpointing=args.gradient_checkpointing, torch_compile=compiled,
+                             pack_sequences="on" if packed else "off")  # fmt: skip
     trainer = TorchTrainer(cfg)
     try:
         t0 = time.perf_counter()
@@ -73,10 +78,30 @@ def measure(model: Path, head: str, compiled: bool, batch: RolloutBatch, args: a
     seq = tokens / batch.num_samples
     step = float(np.median(times))
     flops = tokens * training_flops_per_token(config, seq)
-    return {"head": head, "compiled": compiled, "first_step_s": first_step, "step_s": step, "steps_s": times,
+    return {"head": head, "compiled": compiled, "packed": packed, "first_step_s": first_step, "step_s": step, "steps_s": times,
             "tokens": tokens, "tokens_per_s": tokens / step,
             "tflops": flops / step / 1e12, "mfu": flops / step / (args.peak_tflops * 1e12),
             "peak_memory_gib": peak / 2**30, "peak_memory_mib_per_token": peak / 2**20 / tokens}  # fmt: skip
+
+
+def pack_check(model: Path, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
+    """Logprob differences: packed vs padded (both in the compute dtype), and the compute dtype vs float32."""
+    logprobs = {}
+    for name, pack, dtype in (("packed", "on", "auto"), ("padded", "off", "auto"), ("float32", "off", "float32")):
+        cfg = TorchTrainerConfig(hf_checkpoint=str(model), device=args.device, pack_sequences=pack, dtype=dtype,
+                                 max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)  # fmt: skip
+        trainer = TorchTrainer(cfg)
+        logprobs[name] = np.concatenate(trainer.compute_logprobs(batch))
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def diff(a: str, b: str) -> dict[str, float]:
+        d = np.abs(logprobs[a] - logprobs[b])
+        return {"mean": float(d.mean()), "max": float(d.max())}
+
+    return {"check": "pack", "packed_vs_padded": diff("packed", "padded"), "padded_vs_float32": diff("padded", "float32"),
+            "packed_vs_float32": diff("packed", "float32"), "tokens": int(logprobs["packed"].size)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="0.6b,1.7b")
     parser.add_argument("--heads", default="chunked,full", help="chunked (the default head), full (full-vocabulary logits)")
     parser.add_argument("--compile", default="off", help="off, on or off,on: torch.compile the decoder layers")
+    parser.add_argument("--pack", default="off", help="off, on or off,on: packed micro-batches, varlen attention")
+    parser.add_argument("--check-pack", action="store_true", help="compare packed and padded logprobs per size first")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--response", type=int, default=2048)
@@ -98,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             model = make_qwen3_shape(Path(tmp) / size, size)
             batch = rl_batch(151936, args.samples, args.prompt, args.response)
-            for head, compiled in [(h, c == "on") for h in args.heads.split(",") for c in args.compile.split(",")]:
+            rows: list[Any] = [("check",)] if args.check_pack else []
+            rows += [(h, c == "on", p == "on") for h in args.heads.split(",") for c in args.compile.split(",")
+                     for p in args.pack.split(",")]  # fmt: skip
+            for head, *options in rows:
                 try:
-                    row = {"size": size, **measure(model, head, compiled, batch, args)}
+                    result = pack_check(model, batch, args) if head == "check" else measure(model, head, *options, batch, args)
+                    row = {"size": size, **result}
                 except torch.OutOfMemoryError as exc:
                     row = {"size": size, "head": head, "error": f"out of memory: {str(exc)[:200]}"}
                     if torch.cuda.is_available():

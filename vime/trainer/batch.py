@@ -15,8 +15,13 @@ last token, padding): ready for `vime.r3.hf_router.RoutingReplay.set_expert_ids`
 Alignment convention: a causal LM's logits at position t predict token t+1. For a sample with prompt
 length P and response length R, response token j (0-based) is token P+j of the sequence, so its
 logprob is read from the logits at position P+j-1. `MicroBatch.logit_index` holds exactly those
-positions (flattened over the padded [B, T] micro-batch), and every per-token tensor of a micro-batch
+positions (flattened over the micro-batch's [B, T] inputs), and every per-token tensor of a micro-batch
 is aligned with it.
+
+Micro-batches come in two layouts. Padded: one row per sample, right padded to the longest. Packed
+(`micro_batches(packed=True)`): one row holding the samples end to end, positions restarting at each
+sample, with `cu_seqlens` marking the boundaries for variable-length attention
+(`vime.trainer.varlen_attention`): no padding token is ever computed.
 """
 
 from __future__ import annotations
@@ -92,11 +97,12 @@ class SampleRecord:
 
 @dataclass
 class MicroBatch:
-    """Padded model inputs for a few samples plus their response tokens, flat and aligned.
+    """Model inputs for a few samples plus their response tokens, flat and aligned.
 
-    `input_ids`/`position_ids` are [B, T] (right padded). The per-token tensors are [N] with N = number of
+    `input_ids`/`position_ids` are [B, T]: B samples right padded, or (packed) B = 1 with the samples end to
+    end and `cu_seqlens` [samples + 1] their cumulative lengths. The per-token tensors are [N] with N = number of
     response tokens in the micro-batch: `logit_index` (position in the flattened [B*T] logits that predicts
-    the token), `targets`, `token_sample` (row 0..B-1), `token_index` (position in the parent batch's flat
+    the token), `targets`, `token_sample` (the token's sample, 0..num_samples-1), `token_index` (position in the parent batch's flat
     response arrays, to look up old/ref logprobs computed earlier), and the aligned training data.
     """
 
@@ -111,10 +117,16 @@ class MicroBatch:
     rollout_logprobs: Tensor
     advantages: Tensor
     replay_ids: Tensor | None = None  # int32 [B, T, moe_layers, top_k], NO_ROUTE where no trace row
+    cu_seqlens: Tensor | None = None  # packed only: int32 [samples + 1] sample boundaries in the row
+    max_seqlen: int = 0  # packed only: the longest sample
 
     @property
     def num_samples(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.sample_index.numel())
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return MicroBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
@@ -292,18 +304,34 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------------------ micro-batches
 
-    def micro_batches(self, max_tokens: int | None = None, size: int | None = None) -> list[MicroBatch]:
-        """Group samples into padded micro-batches.
+    def micro_batches(
+        self, max_tokens: int | None = None, size: int | None = None, packed: bool = False
+    ) -> list[MicroBatch]:
+        """Group samples into micro-batches, longest samples first.
 
-        `max_tokens` bounds rows * longest row (the padded tensor the model sees); a sample longer than
-        `max_tokens` still gets a micro-batch of its own. `size` bounds samples per micro-batch. With
-        neither, one micro-batch holds everything. Samples are taken longest first to limit padding.
+        Padded: `max_tokens` bounds rows * longest row (the padded tensor the model sees). Packed: it
+        bounds the row's total length, and samples go first-fit into the micro-batches already open, so
+        short samples fill the gaps long ones leave. Either way a sample longer than `max_tokens` gets a
+        micro-batch of its own, `size` bounds samples per micro-batch, and with neither bound one
+        micro-batch holds everything.
         """
         if self.num_samples == 0:
             return []
         lengths = self.sequence_lengths.tolist()
         order = sorted(range(self.num_samples), key=lambda i: (-lengths[i], i))
         groups: list[list[int]] = []
+        if packed:
+            totals: list[int] = []
+            for i in order:
+                for g, group in enumerate(groups):
+                    if (size is None or len(group) < size) and (max_tokens is None or totals[g] + lengths[i] <= max_tokens):
+                        group.append(i)
+                        totals[g] += lengths[i]
+                        break
+                else:
+                    groups.append([i])
+                    totals.append(lengths[i])
+            return [self._make_packed_micro_batch(g) for g in groups]
         for i in order:
             cur = groups[-1] if groups else None
             fits = cur is not None and (size is None or len(cur) < size)
@@ -316,39 +344,60 @@ class RolloutBatch:
                 groups.append([i])
         return [self._make_micro_batch(g) for g in groups]
 
-    def _make_micro_batch(self, rows: list[int]) -> MicroBatch:
-        lengths = self.sequence_lengths
-        width = int(lengths[rows].max())
-        input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.int64)
+    def _response_positions(self, rows: list[int], row_starts: list[int]) -> dict[str, Tensor]:
+        """The per-response-token tensors of a micro-batch whose sample b starts at flat position row_starts[b]."""
         logit_index, targets, token_sample, token_index = [], [], [], []
-        for b, i in enumerate(rows):
-            start, seq_len = int(self.seq_offsets[i]), int(lengths[i])
-            seq = self.tokens[start : start + seq_len].to(torch.int64)
-            input_ids[b, :seq_len] = seq
+        for b, (i, start) in enumerate(zip(rows, row_starts)):
             p = int(self.prompt_lengths[i])
             r0, r1 = int(self.resp_offsets[i]), int(self.resp_offsets[i + 1])
-            pos = torch.arange(p - 1, p - 1 + (r1 - r0))  # logits at t predict token t+1
-            logit_index.append(b * width + pos)
-            targets.append(seq[p:])
+            logit_index.append(torch.arange(start + p - 1, start + p - 1 + (r1 - r0)))  # logits at t predict t+1
+            seq_start = int(self.seq_offsets[i])
+            targets.append(self.tokens[seq_start + p : seq_start + p + (r1 - r0)].to(torch.int64))
             token_sample.append(torch.full((r1 - r0,), b, dtype=torch.int64))
             token_index.append(torch.arange(r0, r1))
-        token_index_t = torch.cat(token_index)
+        index = torch.cat(token_index)
+        return dict(
+            logit_index=torch.cat(logit_index), targets=torch.cat(targets), token_sample=torch.cat(token_sample),
+            token_index=index, sample_index=torch.tensor(rows, dtype=torch.int64), loss_mask=self.loss_mask[index],
+            rollout_logprobs=self.rollout_logprobs[index], advantages=self.advantages[index],
+        )
+
+    def _make_micro_batch(self, rows: list[int]) -> MicroBatch:
+        lengths = self.sequence_lengths[rows]
+        width = int(lengths.max())
+        input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.int64)
+        for b, i in enumerate(rows):
+            start, seq_len = int(self.seq_offsets[i]), int(lengths[b])
+            input_ids[b, :seq_len] = self.tokens[start : start + seq_len]
         replay_ids = None
         if self.routed_experts is not None:
             traces = [self.sample_trace(i).numpy() for i in rows]
-            replay_ids = replay_ids_for_batch(traces, lengths[rows].tolist(), width)
+            replay_ids = replay_ids_for_batch(traces, lengths.tolist(), width)
         return MicroBatch(
             input_ids=input_ids,
             position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
-            logit_index=torch.cat(logit_index),
-            targets=torch.cat(targets),
-            token_sample=torch.cat(token_sample),
-            token_index=token_index_t,
-            sample_index=torch.tensor(rows, dtype=torch.int64),
-            loss_mask=self.loss_mask[token_index_t],
-            rollout_logprobs=self.rollout_logprobs[token_index_t],
-            advantages=self.advantages[token_index_t],
             replay_ids=replay_ids,
+            **self._response_positions(rows, [b * width for b in range(len(rows))]),
+        )
+
+    def _make_packed_micro_batch(self, rows: list[int]) -> MicroBatch:
+        idx = torch.tensor(rows, dtype=torch.int64)
+        lengths = self.sequence_lengths[idx]
+        cu_seqlens = _offsets(lengths.tolist())
+        starts = cu_seqlens[:-1]
+        positions = torch.arange(int(cu_seqlens[-1])) - torch.repeat_interleave(starts, lengths)
+        replay_ids = None
+        if self.routed_experts is not None:
+            traces = [self.sample_trace(i).numpy() for i in rows]
+            padded = replay_ids_for_batch(traces, lengths.tolist())
+            replay_ids = torch.cat([padded[b, :n] for b, n in enumerate(lengths.tolist())])[None]
+        return MicroBatch(
+            input_ids=self.tokens[_ranges(self.seq_offsets[idx], lengths)].to(torch.int64)[None],
+            position_ids=positions[None],
+            replay_ids=replay_ids,
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            max_seqlen=int(lengths.max()),
+            **self._response_positions(rows, starts.tolist()),
         )
 
     # ----------------------------------------------------------------------------------- transport
@@ -423,8 +472,8 @@ def broadcast_batch(
     return RolloutBatch(**out)
 
 
-def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
-    return None if t is None else t.to(device)
+def _to(value: object, device: torch.device | str) -> object:
+    return value.to(device) if isinstance(value, Tensor) else value
 
 
 def _pack_traces(samples: Sequence[SampleRecord]) -> Tensor | None:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch, RolloutBatch
+from vime.trainer.varlen_attention import packed_attention_kwargs
 
 
 class _ValueModule(nn.Module):
@@ -29,8 +30,12 @@ class _ValueModule(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor) -> Tensor:
-        out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, cu_seqlens: Tensor | None = None,
+        max_seqlen: int = 0,
+    ) -> Tensor:
+        out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                            **packed_attention_kwargs(cu_seqlens, max_seqlen))  # fmt: skip
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
         return self.head(hidden.float()).squeeze(-1)
 
@@ -72,7 +77,7 @@ class Critic:
                 continue
             mb = mb.to(self.device)
             with self.autocast():
-                out[mb.token_index.cpu()] = self.module(mb.input_ids, mb.position_ids, mb.logit_index).float().cpu()
+                out[mb.token_index.cpu()] = self.module(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen).float().cpu()
         return out
 
     def step(
@@ -91,7 +96,7 @@ class Critic:
                 mb = mb.to(self.device)
                 index = mb.token_index.cpu()
                 with self.autocast():
-                    v = self.model(mb.input_ids, mb.position_ids, mb.logit_index).float()
+                    v = self.model(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen).float()
                 loss_t, clipfrac = losses.value_loss(v, old_values[index].to(self.device), returns[index].to(self.device), value_clip)
                 loss = losses.masked_sum(loss_t, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
                 (loss * scale).backward()

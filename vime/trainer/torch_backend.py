@@ -57,12 +57,13 @@ from vime.logging import get_logger
 from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
 from vime.trainer import losses
-from vime.trainer import estimators
+from vime.trainer import estimators, varlen_attention
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
 from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
+from vime.trainer.varlen_attention import packed_attention_kwargs
 
 log = get_logger(__name__)
 
@@ -118,6 +119,10 @@ class TorchTrainerConfig:
     # torch.compile each decoder layer (its norms, rotary and SwiGLU become fused kernels)
     torch_compile: bool = False
     attn_implementation: str = "sdpa"
+    # Samples end to end in one row with variable-length attention, no padding (varlen_attention.py);
+    # auto: on for CUDA (flash varlen kernel), off on CPU (a per-sample attention loop). Off by default:
+    # on the H200 it matched padded micro-batches' speed, not beat them (docs/benchmarks.md)
+    pack_sequences: Literal["auto", "on", "off"] = "off"
     # Logprobs and entropy through the chunked LM head (fused_head.py); False: full [tokens, vocab]
     # float32 logits, the path before it (for comparisons)
     chunked_head: bool = True
@@ -173,9 +178,10 @@ class _ResponseLogprobs(nn.Module):
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, targets: Tensor, temperature: float,
-        with_entropy: bool = True,
+        with_entropy: bool = True, cu_seqlens: Tensor | None = None, max_seqlen: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    **packed_attention_kwargs(cu_seqlens, max_seqlen))  # fmt: skip
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
         head = self.hf.get_output_embeddings()
         if self.chunked and getattr(head, "bias", None) is None:  # no Qwen3/Llama/GLM head has a bias
@@ -214,7 +220,9 @@ class TorchTrainer(PolicyTrainer):
         self.checkpoint_dtype = AutoConfig.from_pretrained(cfg.hf_checkpoint).dtype or torch.float32
         if isinstance(self.checkpoint_dtype, str):
             self.checkpoint_dtype = getattr(torch, self.checkpoint_dtype)
-        load = dict(attn_implementation=cfg.attn_implementation)
+        self.pack_sequences = cfg.pack_sequences == "on" or (cfg.pack_sequences == "auto" and self.device.type == "cuda")
+        attn_implementation = varlen_attention.register() if self.pack_sequences else cfg.attn_implementation
+        load = dict(attn_implementation=attn_implementation)
         self.hf_model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=torch.float32, **load)
         self.hf_model.config.use_cache = False
         if cfg.gradient_checkpointing:
@@ -261,7 +269,7 @@ class TorchTrainer(PolicyTrainer):
             self.critic = Critic(
                 cfg.critic_hf_checkpoint or cfg.hf_checkpoint, lr=cfg.critic_lr, weight_decay=cfg.weight_decay,
                 device=self.device, world_size=self.world_size, autocast=self._autocast,
-                attn_implementation=cfg.attn_implementation,
+                attn_implementation=attn_implementation,
             )  # fmt: skip
         log.info(
             "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
@@ -298,7 +306,8 @@ class TorchTrainer(PolicyTrainer):
     def _synced_micro_batches(self, shard: RolloutBatch) -> list[MicroBatch | None]:
         """This rank's micro-batches, padded with None so every rank has the same count."""
         mbs: list[MicroBatch | None] = list(
-            shard.micro_batches(max_tokens=self.cfg.max_tokens_per_micro_batch, size=self.cfg.micro_batch_size)
+            shard.micro_batches(max_tokens=self.cfg.max_tokens_per_micro_batch, size=self.cfg.micro_batch_size,
+                                packed=self.pack_sequences)  # fmt: skip
         )
         count = len(mbs)
         if self.distributed:
@@ -340,7 +349,7 @@ class TorchTrainer(PolicyTrainer):
                 recorder = stack.enter_context(RoutingRecorder(_hf(bare), routers=self._routers[id(bare)]))
             with self._autocast():
                 head = module(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, self.cfg.rollout_temperature,
-                              with_entropy)  # fmt: skip
+                              with_entropy, mb.cu_seqlens, mb.max_seqlen)  # fmt: skip
             if recorder is not None:
                 counts += self._routing_counts(mb, recorder.expert_ids())
         return head
