@@ -1,7 +1,7 @@
 """Packed micro-batches (samples end to end, variable-length attention) against padded ones.
 
 On the CPU the packed attention is SDPA per sample (`varlen_attention._sdpa_per_sample`); the flash
-varlen kernel it uses on CUDA is checked against this path by `scripts/gpu_train_speed.sh`.
+varlen kernel it uses on CUDA is checked against padded SDPA by `--check-pack` in `scripts/gpu_train_speed.sh`.
 """
 
 import math
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from test_r3_trainer import rollout
-from test_torch_backend import VOCAB, make_batch, make_checkpoint
+from test_torch_backend import VOCAB, config, make_batch, make_checkpoint
 
 from vime.trainer import varlen_attention
 from vime.trainer.batch import RolloutBatch, SampleRecord
-from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
+from vime.trainer.torch_backend import TorchTrainer
 from vime.trainer.varlen_attention import PackedAttentionError, packed_attention_forward
 
 torch.set_num_threads(1)
@@ -24,11 +24,6 @@ torch.set_num_threads(1)
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {kind: make_checkpoint(str(root / kind), kind == "moe") for kind in ("dense", "moe")}
-
-
-def config(ckpt: str, **overrides) -> TorchTrainerConfig:
-    base = dict(hf_checkpoint=ckpt, lr=1e-2, adam_eps=1.0, weight_decay=0.0, seed=0, device="cpu")
-    return TorchTrainerConfig(**{**base, **overrides})
 
 
 def uneven_batch(seed: int, samples: int = 12) -> RolloutBatch:

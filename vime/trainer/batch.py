@@ -124,10 +124,6 @@ class MicroBatch:
     def num_samples(self) -> int:
         return int(self.sample_index.numel())
 
-    @property
-    def packed(self) -> bool:
-        return self.cu_seqlens is not None
-
     def to(self, device: torch.device | str) -> "MicroBatch":
         return MicroBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
