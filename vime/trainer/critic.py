@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch, RolloutBatch
+from vime.trainer.optim import OptimizerImplementation, adamw
 from vime.trainer.varlen_attention import packed_attention_kwargs
 
 
@@ -46,6 +47,7 @@ class Critic:
     def __init__(
         self, checkpoint: str, lr: float, weight_decay: float, device: torch.device, world_size: int,
         autocast: Callable[[], contextlib.AbstractContextManager], attn_implementation: str = "sdpa",
+        optimizer_implementation: OptimizerImplementation = "auto",
     ) -> None:  # fmt: skip
         from transformers import AutoModel
 
@@ -59,7 +61,8 @@ class Critic:
             self.model = DDP(self.module, device_ids=ids, broadcast_buffers=False)
         self.device = device
         self.autocast = autocast
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(self.module.parameters(), lr=lr, weight_decay=weight_decay,
+                               implementation=optimizer_implementation)  # fmt: skip
 
     def _dummy(self) -> Tensor:
         ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)

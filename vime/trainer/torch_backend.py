@@ -63,6 +63,7 @@ from vime.trainer.critic import Critic
 from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
+from vime.trainer.optim import OptimizerImplementation, adamw
 from vime.trainer.varlen_attention import packed_attention_kwargs
 
 log = get_logger(__name__)
@@ -116,6 +117,8 @@ class TorchTrainerConfig:
     seed: int = 1234
     use_fsdp: bool = False
     gradient_checkpointing: bool = False
+    # AdamW's kernels (optim.py): auto = fused (one kernel, no temporaries), foreach under FSDP2
+    optimizer_implementation: OptimizerImplementation = "auto"
     # torch.compile each decoder layer (its norms, rotary and SwiGLU become fused kernels)
     torch_compile: bool = False
     attn_implementation: str = "sdpa"
@@ -255,9 +258,10 @@ class TorchTrainer(PolicyTrainer):
 
         decay = [p for p in self.module.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+            implementation=cfg.optimizer_implementation, sharded=self.use_fsdp,
         )  # fmt: skip
         warmup = cfg.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -269,7 +273,7 @@ class TorchTrainer(PolicyTrainer):
             self.critic = Critic(
                 cfg.critic_hf_checkpoint or cfg.hf_checkpoint, lr=cfg.critic_lr, weight_decay=cfg.weight_decay,
                 device=self.device, world_size=self.world_size, autocast=self._autocast,
-                attn_implementation=attn_implementation,
+                attn_implementation=attn_implementation, optimizer_implementation=cfg.optimizer_implementation,
             )  # fmt: skip
         log.info(
             "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
