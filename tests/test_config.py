@@ -125,15 +125,29 @@ def test_gradient_checkpointing_flag_reaches_the_torch_trainer(tmp_path: Path) -
         load_config(path, {"gradient_checkpointing": True, "train_backend": "megatron"})
 
 
-def test_torch_compile_flag_reaches_the_torch_trainer_and_is_refused_for_megatron(tmp_path: Path) -> None:
+def test_torch_compile_flag_reaches_both_trainers_and_megatron_refuses_it_with_replay(tmp_path: Path) -> None:
     from vime.trainer.torch_backend import TorchTrainerConfig
 
     path = write(tmp_path, "hf_checkpoint: model\n")
     on, _ = parse_config(["--config", str(path), "--torch-compile"])
     assert TorchTrainerConfig.from_vime_config(on).torch_compile is True
     assert TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path)])[0]).torch_compile is False
-    with pytest.raises(ConfigError, match="torch_compile is the torch backend's"):
-        load_config(path, {"torch_compile": True, "train_backend": "megatron"})
+    assert load_config(path, {"torch_compile": True, "train_backend": "megatron"}).torch_compile is True
+    with pytest.raises(ConfigError, match="torch_compile with use_rollout_routing_replay"):
+        load_config(path, {"torch_compile": True, "train_backend": "megatron", "use_rollout_routing_replay": True})
+
+
+def test_optimizer_implementation_flag_reaches_the_torch_trainer_and_is_refused_for_megatron(tmp_path: Path) -> None:
+    from vime.trainer.torch_backend import TorchTrainerConfig
+
+    path = write(tmp_path, "hf_checkpoint: model\n")
+    chosen, _ = parse_config(["--config", str(path), "--optimizer-implementation", "foreach"])
+    assert TorchTrainerConfig.from_vime_config(chosen).optimizer_implementation == "foreach"
+    assert TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path)])[0]).optimizer_implementation == "auto"
+    with pytest.raises(ConfigError, match="optimizer_implementation"):
+        load_config(path, {"optimizer_implementation": "fast"})
+    with pytest.raises(ConfigError, match="optimizer_implementation is the torch backend's"):
+        load_config(path, {"optimizer_implementation": "fused", "train_backend": "megatron"})
 
 
 def test_rm_flags_reach_the_remote_reward_client() -> None:

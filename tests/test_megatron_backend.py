@@ -33,3 +33,8 @@ def test_r3_metrics_match_torch_backend_and_replay_agrees(tmp_path):
     assert rec["routing_agreement_megatron_r3"] == 1.0, rec
     assert rec["backends_agree_within_10pct"], rec
     assert rec["abs_diff_megatron_r3"] < rec["abs_diff_megatron_no_r3"], rec
+
+
+def test_the_chunked_head_trains_like_full_logits(tmp_path):
+    for rec in megatron_check.check_chunked_head(tmp_path):
+        assert rec["passed"], rec

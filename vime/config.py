@@ -215,8 +215,12 @@ class VimeConfig(BaseModel):
         False, description="torch backend: recompute each layer's activations in the backward (Megatron: --recompute-granularity)",
     )  # fmt: skip
     torch_compile: bool = Field(
-        False, description="torch backend: compile each decoder layer with torch.compile (fuses the norms', rotary's "
-        "and SwiGLU's elementwise kernels; the first steps pay the compile)",
+        False, description="compile each decoder layer with torch.compile (fuses the norms', rotary's and SwiGLU's "
+        "elementwise kernels; the first steps pay the compile); both backends",
+    )  # fmt: skip
+    optimizer_implementation: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        "auto", description="torch backend: AdamW's kernels; auto: fused (one kernel, no parameter-sized "
+        "temporaries), foreach under --use-fsdp",
     )  # fmt: skip
     pack_sequences: Literal["auto", "on", "off"] = Field(
         "off", description="torch backend: put a micro-batch's samples end to end in one row with variable-length "
@@ -342,8 +346,13 @@ class VimeConfig(BaseModel):
             if self.gradient_checkpointing:
                 raise ValueError("gradient_checkpointing is the torch backend's; the Megatron backend recomputes "
                                  "activations with --recompute-granularity full (or selective)")  # fmt: skip
-            if self.torch_compile:
-                raise ValueError("torch_compile is the torch backend's; the Megatron backend has its own fused kernels")
+            if self.torch_compile and self.use_rollout_routing_replay:
+                raise ValueError("torch_compile with use_rollout_routing_replay is not supported on the Megatron "
+                                 "backend: its routers take the replayed experts from per-micro-batch state that "
+                                 "compiled layers have not been verified to follow; drop one of the two")  # fmt: skip
+            if self.optimizer_implementation != "auto":
+                raise ValueError("optimizer_implementation is the torch backend's; the Megatron backend uses "
+                                 "megatron-core's optimizer")  # fmt: skip
             if self.pack_sequences == "on":
                 raise ValueError("pack_sequences is the torch backend's; the Megatron backend pads its micro-batches "
                                  "(packed THD batches need TransformerEngine's attention)")  # fmt: skip

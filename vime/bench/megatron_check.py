@@ -26,6 +26,7 @@ Exit status 0 only if every check passed. Output: one JSON line per check, then 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -248,6 +249,47 @@ def check_training_and_export(root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def check_chunked_head(root: Path) -> list[dict[str, Any]]:
+    """The chunked LM head against full-vocabulary logits on the Megatron backend, float32: the same
+    old logprobs, the same metrics over two optimizer steps (PPO clip, TIS, an entropy bonus) and the
+    same weights after them, on a dense and a MoE checkpoint."""
+    import numpy as np
+    import torch
+
+    from vime.bench.r3 import R3BenchConfig, _rollout
+    from vime.trainer.batch import RolloutBatch
+    from vime.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
+
+    path = root / "r3trained"
+    if not path.exists():  # made by check_r3 when it ran first
+        _r3_samples(root)
+    batch = RolloutBatch.from_samples(_rollout(str(path), R3BenchConfig(top_k=2))[:64])
+    out = []
+    dense = dataclasses.replace(batch, routed_experts=None)  # the dense model has no routers to replay
+    for family, ckpt, data in (("qwen3", _checkpoint("qwen3", root), dense), ("qwen3_moe", str(path), batch)):
+        runs = {}
+        for chunked in (False, True):
+            trainer = MegatronTrainer(MegatronTrainerConfig(
+                hf_checkpoint=ckpt, lr=1e-5, dtype="float32", micro_batch_size=16, use_tis=True,
+                entropy_coef=0.01, global_batch_size=32, chunked_head=chunked,
+            ))  # fmt: skip
+            before = np.concatenate(trainer.compute_logprobs(data))
+            metrics = trainer.train_step(data)
+            after = np.concatenate(trainer.compute_logprobs(data))
+            runs[chunked] = (before, after, metrics, dict(trainer.export_weights(torch.float32)))
+            del trainer
+            torch.cuda.empty_cache()
+        (b0, a0, m0, w0), (b1, a1, m1, w1) = runs[False], runs[True]
+        lp_gap = float(max(np.abs(b0 - b1).max(), np.abs(a0 - a1).max()))
+        keys = [k for k in m0 if isinstance(m0[k], float)]
+        metric_gap = max(abs(m0[k] - m1[k]) / max(1.0, abs(m0[k])) for k in keys)
+        weights_close = all(torch.allclose(w1[k], w0[k], rtol=1e-4, atol=1e-6) for k in w0)
+        out.append(dict(check=f"head/{family}", logprob_max_diff=lp_gap, metric_max_rel_diff=metric_gap,
+                        weights_close=weights_close, metrics=len(keys), entropy_loss=m1.get("train/entropy_loss"),
+                        passed=lp_gap <= 1e-5 and metric_gap <= 1e-4 and weights_close))  # fmt: skip
+    return out
+
+
 def check_resume(root: Path) -> list[dict[str, Any]]:
     """`--save-interval` / `--load` on the Megatron backend: two bf16 steps, a checkpoint, a third step;
     a new trainer that loads the checkpoint and takes the same third step must end with the same
@@ -381,7 +423,7 @@ def check_speed(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime.bench.megatron_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=None, help="subset: logits r3 train resume speed")
+    parser.add_argument("--only", nargs="*", default=None, help="subset: logits r3 train resume head speed")
     parser.add_argument("--out", default=None, help="also write the records to this JSONL file")
     parser.add_argument("--profile-dir", default=None, help="write a torch.profiler table per backend's step here")
     args = parser.parse_args(argv)
@@ -395,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         ("r3", lambda: check_r3(root)),
         ("train", lambda: check_training_and_export(root)),
         ("resume", lambda: check_resume(root)),
+        ("head", lambda: check_chunked_head(root)),
         ("speed", lambda: check_speed(root, profile_dir=args.profile_dir)),
     ]
     records: list[dict[str, Any]] = []

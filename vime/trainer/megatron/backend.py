@@ -57,6 +57,7 @@ from vime.r3.hf_router import NO_ROUTE
 from vime.trainer import losses
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.batch import MicroBatch, RolloutBatch
+from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.megatron.hf_mapping import ModelLayout
 from vime.trainer.megatron.model import ResponseRowsOutputLayer, build_gpt_model, transformer_config
 from vime.trainer.megatron.parallel import MegatronParallelConfig, init_model_parallel
@@ -71,9 +72,10 @@ log = get_logger(__name__)
 class MegatronTrainerConfig(TorchTrainerConfig):
     """The torch backend's settings (losses, batching, optimizer) plus Megatron's parallel layout.
 
-    `use_fsdp`, `gradient_checkpointing` and `attn_implementation` do not apply (Megatron has its own
-    distributed optimizer and `recompute_granularity`, and SDPA attention); `dtype` "auto"/"bfloat16"
-    trains bf16 parameters with fp32 master weights, "float32" trains in fp32.
+    `use_fsdp`, `gradient_checkpointing`, `pack_sequences` and `attn_implementation` do not apply
+    (Megatron has its own distributed optimizer and `recompute_granularity`, and SDPA attention);
+    `dtype` "auto"/"bfloat16" trains bf16 parameters with fp32 master weights, "float32" trains in fp32.
+    `chunked_head` applies without tensor parallelism; `torch_compile` compiles each transformer layer.
     """
 
     parallel: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
@@ -131,6 +133,9 @@ class MegatronTrainer(PolicyTrainer):
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
+        # The chunked LM head (fused_head.py) needs the whole vocabulary on one rank: with tensor
+        # parallelism the logits stay vocab-parallel and are gathered in full (`_logits`)
+        self.chunked_head = cfg.chunked_head and self.tp_size == 1
 
         replay = cfg.use_rollout_routing_replay and self.layout.is_moe
         self.mconfig = transformer_config(self.layout, par, bf16=self.bf16, replay=replay)
@@ -190,7 +195,9 @@ class MegatronTrainer(PolicyTrainer):
         model.cuda(self.device)
         load_hf_weights(model, self.cfg.hf_checkpoint, self.layout)
         if self.last_stage and not self.cfg.parallel.sequence_parallel:
-            model.output_layer = ResponseRowsOutputLayer(model.output_layer)
+            model.output_layer = ResponseRowsOutputLayer(model.output_layer, project=not self.chunked_head)
+        if self.cfg.torch_compile:
+            _compile_layers(model)
         wrapped: nn.Module = Float16Module(self.mconfig, model) if self.bf16 else model
         if not train:
             wrapped.eval().requires_grad_(False)
@@ -330,12 +337,33 @@ class MegatronTrainer(PolicyTrainer):
             return output.flatten(0, 1).float()
         return output.flatten(0, 1).index_select(0, mb.logit_index).float()
 
+    def _token_logprobs(
+        self, output: Tensor, mb: MicroBatch, head: nn.Module | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logprobs of `mb.targets` (and the entropy) under softmax(logits / rollout temperature), [N]
+        float32. With the chunked head `output` holds the response rows' hidden states (float32 after
+        Float16Module) and the head weight is the one the output layer kept; the product runs in the
+        weight's dtype, as the output layer's would."""
+        temperature = self.cfg.rollout_temperature
+        if isinstance(head, ResponseRowsOutputLayer) and not head.project:
+            weight = head.weight_used
+            assert weight is not None, "the output layer ran without recording its weight"
+            hidden = output.flatten(0, 1).to(weight.dtype)
+            return head_logprobs_and_entropy(hidden, weight[: self.layout.vocab_size], mb.targets, temperature,
+                                             with_entropy=with_entropy)  # fmt: skip
+        logits = self._logits(output, mb)
+        if not with_entropy:
+            return losses.logprobs_from_logits(logits, mb.targets, temperature), None
+        return losses.logprobs_and_entropy_from_logits(
+            logits, mb.targets, temperature, entropy_grad=self.objective.entropy_coef != 0.0
+        )
+
     def _run(
         self, module: nn.Module, routers: list[TopKRouter], items: list[tuple[MicroBatch, float]],
-        loss_fn: Any, forward_only: bool, replay: bool, record: bool,
+        loss_fn: Any, forward_only: bool, replay: bool, record: bool, with_entropy: bool = False,
     ) -> None:  # fmt: skip
-        """Every micro-batch through Megatron's schedule; `loss_fn(mb, weight, logits)` on the last stage
-        returns (loss numerator, denominator) as tensors."""
+        """Every micro-batch through Megatron's schedule; `loss_fn(mb, weight, logprobs, entropy)` on the
+        last stage returns (loss numerator, denominator) as tensors (entropy None without `with_entropy`)."""
         recompute = self.cfg.parallel.recompute_granularity is not None and not forward_only
 
         def forward_step(data_iterator: Iterator[tuple[MicroBatch, float]], model: nn.Module) -> Any:
@@ -349,7 +377,7 @@ class MegatronTrainer(PolicyTrainer):
                 output = _SwitchToReplayBackward.apply(output, [r.router_replay for r in routers])
 
             def loss_func(out: Tensor) -> tuple[Tensor, Tensor, dict]:
-                loss, denom = loss_fn(mb, weight, self._logits(out, mb))
+                loss, denom = loss_fn(mb, weight, *self._token_logprobs(out, mb, head, with_entropy))
                 return loss, denom, {}
 
             return output, loss_func
@@ -391,9 +419,8 @@ class MegatronTrainer(PolicyTrainer):
         routers = self.policy_routers if module is self.module else self.ref_routers
         self._counts = torch.zeros(2, dtype=torch.float64) if record else None
 
-        def loss_fn(mb: MicroBatch, weight: float, logits: Tensor) -> tuple[Tensor, Tensor]:
+        def loss_fn(mb: MicroBatch, weight: float, lp: Tensor, _entropy: None) -> tuple[Tensor, Tensor]:
             if weight > 0:
-                lp = losses.logprobs_from_logits(logits, mb.targets, self.cfg.rollout_temperature)
                 out[mb.token_index.cpu()] = lp.cpu()
             zero = torch.zeros((), device=self.device)
             return zero, torch.ones((), dtype=torch.int, device=self.device)
@@ -422,14 +449,11 @@ class MegatronTrainer(PolicyTrainer):
         sums = torch.zeros(len(names), dtype=torch.float64)
         self._counts = torch.zeros(2, dtype=torch.float64) if counts is not None else None
 
-        def loss_fn(mb: MicroBatch, weight: float, logits: Tensor) -> tuple[Tensor, Tensor]:
+        def loss_fn(mb: MicroBatch, weight: float, lp: Tensor, entropy: Tensor) -> tuple[Tensor, Tensor]:
             nonlocal sums
             index = mb.token_index.cpu()
             old = None if fill_old else old_lp[index].to(self.device)
             ref = ref_lp[index].to(self.device) if ref_lp is not None else None
-            lp, entropy = losses.logprobs_and_entropy_from_logits(
-                logits, mb.targets, self.cfg.rollout_temperature, entropy_grad=self.objective.entropy_coef != 0.0
-            )
             loss, mb_sums, lp = micro_batch_objective(lp, entropy, mb, old, ref, self.objective)
             if weight == 0.0:
                 return loss * 0.0, torch.zeros((), dtype=torch.int, device=self.device)
@@ -442,7 +466,7 @@ class MegatronTrainer(PolicyTrainer):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run(self.module, self.policy_routers, self._micro_batches(shard), loss_fn, forward_only=False,
-                  replay=replay, record=counts is not None)  # fmt: skip
+                  replay=replay, record=counts is not None, with_entropy=True)  # fmt: skip
         lr = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -547,3 +571,15 @@ class MegatronTrainer(PolicyTrainer):
             _copy_side_files(self.cfg.hf_checkpoint, path)
             log.info("saved_hf_checkpoint", path=path, tensors=len(state), seconds=round(time.perf_counter() - start, 2))
         dist.barrier()
+
+
+def _compile_layers(model: nn.Module) -> None:
+    """torch.compile every transformer layer of this stage in place (dynamic sequence lengths): without
+    TransformerEngine, Megatron's local layers run their RMSNorms and rotary embeddings as separate
+    elementwise kernels, which compilation fuses. Parameters stay where they are, so DDP buffers, the
+    optimizer and weight export see the same model."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for layer in model.modules():
+        if isinstance(layer, TransformerLayer):
+            layer.compile(dynamic=True)

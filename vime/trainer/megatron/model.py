@@ -71,21 +71,33 @@ class ResponseRowsOutputLayer(torch.nn.Module):
     `rows` indexes the batch-major flattened [B * T] positions (`MicroBatch.logit_index`); None means
     all rows. The output is then [n, 1, vocab/tp] sequence-first, so GPTModel's transpose gives [1, n,
     vocab/tp]. Not used under sequence parallelism, where the layer gathers the sequence itself.
+
+    With `project` off (the chunked head, `fused_head.py`) a call with `rows` set returns those rows'
+    hidden states instead of logits, [n, 1, hidden], and keeps the head weight it would have used (the
+    tied embedding or its own) in `weight_used`, so the loss computes logprobs a chunk of tokens at a
+    time. Calls without `rows` (plain model calls) still return logits.
     """
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, project: bool = True) -> None:
         super().__init__()
         self.inner = inner
+        self.project = project
         self.rows: Tensor | None = None
+        self.weight_used: Tensor | None = None
 
     @property
     def weight(self) -> Tensor:  # GPTModel reads output_layer.weight (tied/untied embeddings)
         return self.inner.weight
 
     def forward(self, hidden: Tensor, **kwargs: Any) -> Any:
-        if self.rows is not None:
-            s, b, h = hidden.shape
-            hidden = hidden.transpose(0, 1).reshape(b * s, h).index_select(0, self.rows).unsqueeze(1)
+        if self.rows is None:
+            return self.inner(hidden, **kwargs)
+        s, b, h = hidden.shape
+        hidden = hidden.transpose(0, 1).reshape(b * s, h).index_select(0, self.rows).unsqueeze(1)
+        if not self.project:
+            weight = kwargs.get("weight")
+            self.weight_used = weight if weight is not None else self.inner.weight
+            return hidden, None
         return self.inner(hidden, **kwargs)
 
 
@@ -105,7 +117,8 @@ def transformer_config(
         normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps, qk_layernorm=layout.qk_norm,
         add_bias_linear=False, add_qkv_bias=layout.attention_bias, gated_linear_unit=True,
         activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0, rotary_interleaved=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        # SwiGLU through megatron-core's own fused function (torch.compile'd, no TransformerEngine needed)
+        bias_activation_fusion=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         variable_seq_lengths=True, calculate_per_token_loss=True,
