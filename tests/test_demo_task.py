@@ -182,3 +182,23 @@ def test_qwen3_shapes_have_the_published_parameter_counts(size: str, billions: f
     assert abs(params - billions) < 0.01, params
     with pytest.raises(KeyError, match="known"):
         qwen3_shape_recipe("3b")
+
+
+def test_the_qwen3_30b_a3b_shape_has_the_published_parameter_counts() -> None:
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B activated per token (the model card); with `num_layers` the
+    same layer shape with fewer layers, as the training-speed bench runs it."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from vime.bench.flops import matmul_params
+    from vime.demo.model_factory import _qwen3_moe_config, qwen3_shape_recipe
+
+    config = _qwen3_moe_config(qwen3_shape_recipe("30b-a3b"))
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters()) / 1e9
+    active = (matmul_params(config) + config.vocab_size * config.hidden_size) / 1e9  # + the input embedding
+    assert abs(total - 30.5) < 0.1, total
+    assert abs(active - 3.3) < 0.1, active
+    short = qwen3_shape_recipe("30b-a3b", num_layers=4)
+    assert short.num_layers == 4 and short.num_experts == 128 and short.num_experts_per_tok == 8

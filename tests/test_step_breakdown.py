@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vime.bench.flops import H200_BF16_PEAK_FLOPS, matmul_params, training_flops_per_token
+from vime.bench.flops import H200_BF16_PEAK_FLOPS, attention_seq_len, matmul_params, training_flops_per_token
 
 _PATH = Path(__file__).resolve().parent.parent / "bench" / "step_breakdown.py"
 _spec = importlib.util.spec_from_file_location("step_breakdown", _PATH)
@@ -73,9 +73,44 @@ def test_matmul_params_match_the_linear_layers_of_a_transformers_qwen3() -> None
         assert matmul_params(cfg.to_dict()) == linear  # config.json's dict, as step_breakdown passes it
 
 
-def test_flops_refuse_a_mixture_of_experts_config() -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        training_flops_per_token({**TINY_DENSE, "num_experts": 8, "num_experts_per_tok": 2}, seq_len=5)
+def test_flops_of_a_qwen3_moe_count_the_router_and_the_routed_experts_only() -> None:
+    moe = {**TINY_DENSE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
+    # per layer: attention 192, router 8*8, 2 routed experts of 3*8*6; plus the LM head 10*8
+    assert matmul_params(moe) == 2 * (192 + 64 + 2 * 144) + 80
+    # a dense layer among sparse ones (mlp_only_layers) counts its full MLP
+    assert matmul_params({**moe, "mlp_only_layers": [0]}) == (192 + 384) + (192 + 64 + 2 * 144) + 80
+
+
+def test_moe_matmul_params_match_the_linear_layers_a_token_passes_in_transformers() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=24, tie_word_embeddings=False)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    experts = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    all_expert_params = sum(p.numel() for m in experts for p in m.parameters())
+    routers = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # every Linear (attention, LM head), the routers, and a quarter of the experts' weights (top-2 of 8)
+    assert routers == 2 * 8 * 32
+    assert matmul_params(cfg) == linear + routers + all_expert_params * 2 // 8
+
+
+def test_flops_refuse_an_unmodelled_mixture_of_experts_layout() -> None:
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        training_flops_per_token({**TINY_DENSE, "n_routed_experts": 8, "num_experts_per_tok": 2}, seq_len=5)
+
+
+def test_attention_seq_len_weights_each_sequence_by_its_tokens() -> None:
+    assert attention_seq_len([4, 4]) == 4.0
+    assert attention_seq_len([2, 6]) == (4 + 36) / 8  # 5.0, not the mean 4
+    # exact: summing per-sequence FLOPs equals tokens x FLOPs at the weighted length
+    per_sequence = sum(n * training_flops_per_token(TINY_DENSE, n) for n in (2, 6))
+    assert per_sequence == pytest.approx(8 * training_flops_per_token(TINY_DENSE, attention_seq_len([2, 6])))
+    with pytest.raises(ValueError):
+        attention_seq_len([])
 
 
 def test_megatron_check_uses_the_shared_peak() -> None:

@@ -138,6 +138,11 @@ QWEN3_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "4b": (2560, 36, 32, 8, 9728, True),
     "8b": (4096, 36, 32, 8, 12288, False),
 }
+# Qwen3-MoE shapes: (hidden, layers, heads, kv heads, experts, experts per token, expert intermediate,
+# tied embeddings); head_dim 128, the same vocabulary. Throughput benches run them with fewer layers.
+QWEN3_MOE_SHAPES: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
+    "30b-a3b": (2048, 48, 32, 4, 128, 8, 768, False),
+}
 QWEN3_VOCAB_SIZE = 151936
 
 
@@ -255,6 +260,32 @@ def _qwen3_config(r: DemoRecipe | TinyRecipe) -> Any:
         head_dim=r.head_dim,
         max_position_embeddings=r.max_position_embeddings,
         tie_word_embeddings=getattr(r, "tie_embeddings", True),
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype="float32",
+    )
+
+
+def _qwen3_moe_config(r: TinyRecipe) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=r.vocab_size,
+        hidden_size=r.hidden_size,
+        intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_layers,
+        num_attention_heads=r.num_heads,
+        num_key_value_heads=r.num_kv_heads,
+        head_dim=r.head_dim,
+        max_position_embeddings=r.max_position_embeddings,
+        num_experts=r.num_experts,
+        num_experts_per_tok=r.num_experts_per_tok,
+        moe_intermediate_size=r.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=r.tie_embeddings,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -496,38 +527,18 @@ def _make_tiny(out_dir: str | Path, recipe: TinyRecipe, force: bool) -> Path:
         import torch
 
         torch.manual_seed(recipe.seed)
+        # Real sizes initialise in seconds on a GPU rather than minutes on CPU cores.
+        device = "cuda" if recipe.vocab_size > DEFAULT_VOCAB_SIZE and torch.cuda.is_available() else "cpu"
         if recipe.kind == "qwen3":
             from transformers import Qwen3ForCausalLM
 
-            # Real sizes initialise in seconds on a GPU rather than minutes on CPU cores.
-            device = "cuda" if recipe.vocab_size > DEFAULT_VOCAB_SIZE and torch.cuda.is_available() else "cpu"
             with torch.device(device):
                 model = Qwen3ForCausalLM(_qwen3_config(recipe))
         else:
-            from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+            from transformers import Qwen3MoeForCausalLM
 
-            config = Qwen3MoeConfig(
-                vocab_size=recipe.vocab_size,
-                hidden_size=recipe.hidden_size,
-                intermediate_size=recipe.intermediate_size,
-                num_hidden_layers=recipe.num_layers,
-                num_attention_heads=recipe.num_heads,
-                num_key_value_heads=recipe.num_kv_heads,
-                head_dim=recipe.head_dim,
-                max_position_embeddings=recipe.max_position_embeddings,
-                num_experts=recipe.num_experts,
-                num_experts_per_tok=recipe.num_experts_per_tok,
-                moe_intermediate_size=recipe.moe_intermediate_size,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                norm_topk_prob=True,
-                tie_word_embeddings=True,
-                bos_token_id=BOS_ID,
-                eos_token_id=EOS_ID,
-                pad_token_id=PAD_ID,
-                dtype="float32",
-            )
-            model = Qwen3MoeForCausalLM(config)
+            with torch.device(device):
+                model = Qwen3MoeForCausalLM(_qwen3_moe_config(recipe))
         model.eval()
         _save(model, out, recipe.max_position_embeddings, recipe.save_dtype, recipe.vocab_size)
         return {"kind": f"tiny_{recipe.kind}", "params": _param_count(model)}
@@ -563,28 +574,43 @@ def make_qwen3_shape(
     size: str,
     seed: int = 0,
     *,
+    num_layers: int | None = None,
     max_position_embeddings: int = 4096,
     dtype: str = "bfloat16",
     force: bool = False,
 ) -> Path:
-    """A random-init Qwen3 of a real size (`QWEN3_SHAPES`: hidden sizes, layers, heads and the 151936
-    vocabulary of the published models) with the demo tokenizer padded to that vocabulary: the demo
-    task runs on it unchanged, at the cost of a real model. For throughput and memory measurements
-    (it is untrained: its rewards stay near zero). Raises KeyError naming the known sizes."""
-    recipe = qwen3_shape_recipe(size, seed, max_position_embeddings=max_position_embeddings, dtype=dtype)
+    """A random-init Qwen3 of a real size (`QWEN3_SHAPES`, or the mixture-of-experts `QWEN3_MOE_SHAPES`:
+    hidden sizes, layers, heads, experts and the 151936 vocabulary of the published models) with the
+    demo tokenizer padded to that vocabulary: the demo task runs on it unchanged, at the cost of a real
+    model. For throughput and memory measurements (it is untrained: its rewards stay near zero).
+    `num_layers` replaces the size's layer count (a layer shape with fewer layers). Raises KeyError
+    naming the known sizes."""
+    recipe = qwen3_shape_recipe(size, seed, num_layers=num_layers, max_position_embeddings=max_position_embeddings,
+                                dtype=dtype)  # fmt: skip
     return _make_tiny(out_dir, recipe, force)
 
 
-def qwen3_shape_recipe(size: str, seed: int = 0, *, max_position_embeddings: int = 4096, dtype: str = "bfloat16") -> TinyRecipe:
+def qwen3_shape_recipe(
+    size: str, seed: int = 0, *, num_layers: int | None = None, max_position_embeddings: int = 4096,
+    dtype: str = "bfloat16",
+) -> TinyRecipe:  # fmt: skip
     """The recipe `make_qwen3_shape` builds. Raises KeyError naming the known sizes."""
+    common = dict(seed=seed, head_dim=128, vocab_size=QWEN3_VOCAB_SIZE, max_position_embeddings=max_position_embeddings,
+                  save_dtype=dtype)  # fmt: skip
+    if size in QWEN3_MOE_SHAPES:
+        hidden, layers, heads, kv_heads, experts, top_k, moe_inter, tied = QWEN3_MOE_SHAPES[size]
+        return TinyRecipe(
+            kind="qwen3_moe", num_layers=num_layers or layers, hidden_size=hidden, num_heads=heads,
+            num_kv_heads=kv_heads, intermediate_size=3 * hidden, num_experts=experts, num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_inter, tie_embeddings=tied, **common,
+        )  # fmt: skip
     if size not in QWEN3_SHAPES:
-        raise KeyError(f"unknown Qwen3 size {size!r}; known: {', '.join(QWEN3_SHAPES)}")
+        raise KeyError(f"unknown Qwen3 size {size!r}; known: {', '.join([*QWEN3_SHAPES, *QWEN3_MOE_SHAPES])}")
     hidden, layers, heads, kv_heads, inter, tied = QWEN3_SHAPES[size]
     return TinyRecipe(
-        kind="qwen3", seed=seed, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=128, intermediate_size=inter, vocab_size=QWEN3_VOCAB_SIZE,
-        max_position_embeddings=max_position_embeddings, save_dtype=dtype, tie_embeddings=tied,
-    )
+        kind="qwen3", num_layers=num_layers or layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        intermediate_size=inter, tie_embeddings=tied, **common,
+    )  # fmt: skip
 
 
 def make_tiny_qwen3_moe(
