@@ -150,6 +150,16 @@ def test_optimizer_implementation_flag_reaches_the_torch_trainer_and_is_refused_
         load_config(path, {"optimizer_implementation": "fused", "train_backend": "megatron"})
 
 
+def test_share_prompts_flag_reaches_the_torch_trainer_and_is_refused_for_megatron(tmp_path: Path) -> None:
+    from vime.trainer.torch_backend import TorchTrainerConfig
+
+    path = write(tmp_path, "hf_checkpoint: model\n")
+    assert TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path), "--share-prompts"])[0]).share_prompts
+    assert not TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path)])[0]).share_prompts
+    with pytest.raises(ConfigError, match="share_prompts is the torch backend's"):
+        load_config(path, {"share_prompts": True, "train_backend": "megatron"})
+
+
 def test_rm_flags_reach_the_remote_reward_client() -> None:
     from vime.rewards.remote import RemoteRewardSettings
 

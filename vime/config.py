@@ -226,6 +226,10 @@ class VimeConfig(BaseModel):
         "off", description="torch backend: put a micro-batch's samples end to end in one row with variable-length "
         "attention, so no padding is computed; auto: on with CUDA (flash varlen kernel), off on CPU",
     )  # fmt: skip
+    share_prompts: bool = Field(
+        False, description="torch backend: a group's samples share one copy of their prompt in a micro-batch row, "
+        "under a tree attention mask, so each prompt is computed once (pays off for short responses)",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -353,6 +357,8 @@ class VimeConfig(BaseModel):
             if self.optimizer_implementation != "auto":
                 raise ValueError("optimizer_implementation is the torch backend's; the Megatron backend uses "
                                  "megatron-core's optimizer")  # fmt: skip
+            if self.share_prompts:
+                raise ValueError("share_prompts is the torch backend's; the Megatron backend pads its micro-batches")
             if self.pack_sequences == "on":
                 raise ValueError("pack_sequences is the torch backend's; the Megatron backend pads its micro-batches "
                                  "(packed THD batches need TransformerEngine's attention)")  # fmt: skip

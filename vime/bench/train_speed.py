@@ -66,7 +66,8 @@ def _trainer(backend: str, model: Path, setting: dict[str, Any], args: argparse.
         return MegatronTrainer(MegatronTrainerConfig(**common, parallel=MegatronParallelConfig(**recompute)))
     return TorchTrainer(TorchTrainerConfig(
         **common, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
-        pack_sequences="on" if setting["packed"] else "off", optimizer_implementation=setting["optimizer"],
+        pack_sequences="on" if setting["packed"] else "off", share_prompts=setting["shared_prompts"],
+        optimizer_implementation=setting["optimizer"],
     ))  # fmt: skip
 
 
@@ -145,13 +146,15 @@ def pack_check(model: Path, batch: RolloutBatch, args: argparse.Namespace) -> di
 
 
 def settings(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
-    """Every combination of the flags' settings that applies to `backend` (packing and the optimizer
-    implementation are the torch backend's)."""
+    """Every combination of the flags' settings that applies to `backend` (the micro-batch layouts and
+    the optimizer implementation are the torch backend's; packed and shared-prompt rows exclude each other)."""
     packs = args.pack.split(",") if backend == "torch" else ["off"]
+    shares = args.share_prompts.split(",") if backend == "torch" else ["off"]
     optimizers = args.optimizer_implementation.split(",") if backend == "torch" else ["megatron"]
     return [
-        {"head": h, "compiled": c == "on", "packed": p == "on", "optimizer": o}
-        for h in args.heads.split(",") for c in args.compile.split(",") for p in packs for o in optimizers
+        {"head": h, "compiled": c == "on", "packed": p == "on", "shared_prompts": sp == "on", "optimizer": o}
+        for h in args.heads.split(",") for c in args.compile.split(",") for p in packs for sp in shares
+        for o in optimizers if not (p == "on" and sp == "on")
     ]  # fmt: skip
 
 
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="chunked,full", help="chunked (the default head), full (full-vocabulary logits)")
     parser.add_argument("--compile", default="off", help="off, on or off,on: torch.compile the decoder layers")
     parser.add_argument("--pack", default="off", help="off, on or off,on: packed micro-batches, varlen attention (torch)")
+    parser.add_argument("--share-prompts", default="off", help="off, on or off,on: a group's samples share one "
+                        "prompt copy per row (torch)")
     parser.add_argument("--optimizer-implementation", default="auto",
                         help="AdamW kernels of the torch backend: auto, fused, foreach, for-loop, or a list")
     parser.add_argument("--check-pack", action="store_true", help="compare packed and padded logprobs per size first")

@@ -21,7 +21,9 @@ is aligned with it.
 Micro-batches come in two layouts. Padded: one row per sample, right padded to the longest. Packed
 (`micro_batches(packed=True)`): one row holding the samples end to end, positions restarting at each
 sample, with `cu_seqlens` marking the boundaries for variable-length attention
-(`vime.trainer.varlen_attention`): no padding token is ever computed.
+(`vime.trainer.varlen_attention`): no padding token is ever computed. Shared prompts
+(`micro_batches(shared_prompts=True)`, `vime.trainer.shared_prompts`): one row per prompt holding the
+responses of the samples that share it, with a tree attention mask: each prompt is computed once.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class MicroBatch:
     replay_ids: Tensor | None = None  # int32 [B, T, moe_layers, top_k], NO_ROUTE where no trace row
     cu_seqlens: Tensor | None = None  # packed only: int32 [samples + 1] sample boundaries in the row
     max_seqlen: int = 0  # packed only: the longest sample
+    attention_mask: Tensor | None = None  # shared prompts only: bool [B, 1, T, T], True where q sees k
 
     @property
     def num_samples(self) -> int:
@@ -301,16 +304,24 @@ class RolloutBatch:
     # ------------------------------------------------------------------------------ micro-batches
 
     def micro_batches(
-        self, max_tokens: int | None = None, size: int | None = None, packed: bool = False
-    ) -> list[MicroBatch]:
+        self, max_tokens: int | None = None, size: int | None = None, packed: bool = False,
+        shared_prompts: bool = False,
+    ) -> list[MicroBatch]:  # fmt: skip
         """Group samples into micro-batches, longest samples first.
 
         Padded: `max_tokens` bounds rows * longest row (the padded tensor the model sees). Packed: it
         bounds the row's total length, and samples go first-fit into the micro-batches already open, so
-        short samples fill the gaps long ones leave. Either way a sample longer than `max_tokens` gets a
-        micro-batch of its own, `size` bounds samples per micro-batch, and with neither bound one
-        micro-batch holds everything.
+        short samples fill the gaps long ones leave. Shared prompts: rows of one prompt and its samples'
+        responses (`vime.trainer.shared_prompts`), bounded like padded rows. Every way a sample longer
+        than `max_tokens` gets a micro-batch of its own, `size` bounds samples per micro-batch, and with
+        neither bound one micro-batch holds everything.
         """
+        if packed and shared_prompts:
+            raise ValueError("micro-batches are either packed or shared-prompt, not both")
+        if shared_prompts:
+            from vime.trainer.shared_prompts import shared_prompt_micro_batches
+
+            return shared_prompt_micro_batches(self, max_tokens=max_tokens, size=size)
         if self.num_samples == 0:
             return []
         lengths = self.sequence_lengths.tolist()

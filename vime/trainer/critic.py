@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from vime.trainer import losses
 from vime.trainer.batch import MicroBatch, RolloutBatch
 from vime.trainer.optim import OptimizerImplementation, adamw
-from vime.trainer.varlen_attention import packed_attention_kwargs
+from vime.trainer.varlen_attention import attention_kwargs
 
 
 class _ValueModule(nn.Module):
@@ -33,10 +33,10 @@ class _ValueModule(nn.Module):
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, cu_seqlens: Tensor | None = None,
-        max_seqlen: int = 0,
+        max_seqlen: int = 0, attention_mask: Tensor | None = None,
     ) -> Tensor:
         out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            **packed_attention_kwargs(cu_seqlens, max_seqlen))  # fmt: skip
+                            **attention_kwargs(cu_seqlens, max_seqlen, attention_mask))  # fmt: skip
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
         return self.head(hidden.float()).squeeze(-1)
 
@@ -80,7 +80,9 @@ class Critic:
                 continue
             mb = mb.to(self.device)
             with self.autocast():
-                out[mb.token_index.cpu()] = self.module(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen).float().cpu()
+                values = self.module(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen,
+                                     mb.attention_mask)  # fmt: skip
+                out[mb.token_index.cpu()] = values.float().cpu()
         return out
 
     def step(
@@ -99,7 +101,8 @@ class Critic:
                 mb = mb.to(self.device)
                 index = mb.token_index.cpu()
                 with self.autocast():
-                    v = self.model(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen).float()
+                    v = self.model(mb.input_ids, mb.position_ids, mb.logit_index, mb.cu_seqlens, mb.max_seqlen,
+                                   mb.attention_mask).float()  # fmt: skip
                 loss_t, clipfrac = losses.value_loss(v, old_values[index].to(self.device), returns[index].to(self.device), value_clip)
                 loss = losses.masked_sum(loss_t, mb.loss_mask, mb.token_sample, mb.num_samples, per_token)
                 (loss * scale).backward()

@@ -64,7 +64,7 @@ from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 from vime.trainer.optim import OptimizerImplementation, adamw
-from vime.trainer.varlen_attention import packed_attention_kwargs
+from vime.trainer.varlen_attention import attention_kwargs
 
 log = get_logger(__name__)
 
@@ -126,6 +126,9 @@ class TorchTrainerConfig:
     # auto: on for CUDA (flash varlen kernel), off on CPU (a per-sample attention loop). Off by default:
     # on the H200 it matched padded micro-batches' speed, not beat them (docs/benchmarks.md)
     pack_sequences: Literal["auto", "on", "off"] = "off"
+    # A group's samples share one copy of their prompt per micro-batch row, under a tree attention mask
+    # (shared_prompts.py): the prompt is computed once per group instead of once per sample
+    share_prompts: bool = False
     # Logprobs and entropy through the chunked LM head (fused_head.py); False: full [tokens, vocab]
     # float32 logits, the path before it (for comparisons)
     chunked_head: bool = True
@@ -162,6 +165,11 @@ class TorchTrainerConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.rollout_temperature <= 0:
             raise ValueError("rollout_temperature must be positive")
+        if self.share_prompts and self.pack_sequences == "on":
+            raise ValueError("share_prompts and pack_sequences 'on' are two micro-batch layouts; choose one")
+        if self.share_prompts and self.use_rollout_routing_replay:
+            raise ValueError("share_prompts cannot replay R3 routing traces (a shared prompt has no per-sample "
+                             "trace rows); turn one of them off")  # fmt: skip
 
 
 class _ResponseLogprobs(nn.Module):
@@ -182,9 +190,10 @@ class _ResponseLogprobs(nn.Module):
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, logit_index: Tensor, targets: Tensor, temperature: float,
         with_entropy: bool = True, cu_seqlens: Tensor | None = None, max_seqlen: int = 0,
+        attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                    **packed_attention_kwargs(cu_seqlens, max_seqlen))  # fmt: skip
+                                    **attention_kwargs(cu_seqlens, max_seqlen, attention_mask))  # fmt: skip
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)
         head = self.hf.get_output_embeddings()
         if self.chunked and getattr(head, "bias", None) is None:  # no Qwen3/Llama/GLM head has a bias
@@ -223,7 +232,9 @@ class TorchTrainer(PolicyTrainer):
         self.checkpoint_dtype = AutoConfig.from_pretrained(cfg.hf_checkpoint).dtype or torch.float32
         if isinstance(self.checkpoint_dtype, str):
             self.checkpoint_dtype = getattr(torch, self.checkpoint_dtype)
-        self.pack_sequences = cfg.pack_sequences == "on" or (cfg.pack_sequences == "auto" and self.device.type == "cuda")
+        self.pack_sequences = cfg.pack_sequences == "on" or (
+            cfg.pack_sequences == "auto" and self.device.type == "cuda" and not cfg.share_prompts
+        )
         attn_implementation = varlen_attention.register() if self.pack_sequences else cfg.attn_implementation
         load = dict(attn_implementation=attn_implementation)
         self.hf_model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=torch.float32, **load)
@@ -311,7 +322,7 @@ class TorchTrainer(PolicyTrainer):
         """This rank's micro-batches, padded with None so every rank has the same count."""
         mbs: list[MicroBatch | None] = list(
             shard.micro_batches(max_tokens=self.cfg.max_tokens_per_micro_batch, size=self.cfg.micro_batch_size,
-                                packed=self.pack_sequences)  # fmt: skip
+                                packed=self.pack_sequences, shared_prompts=self.cfg.share_prompts)  # fmt: skip
         )
         count = len(mbs)
         if self.distributed:
@@ -353,7 +364,7 @@ class TorchTrainer(PolicyTrainer):
                 recorder = stack.enter_context(RoutingRecorder(_hf(bare), routers=self._routers[id(bare)]))
             with self._autocast():
                 head = module(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, self.cfg.rollout_temperature,
-                              with_entropy, mb.cu_seqlens, mb.max_seqlen)  # fmt: skip
+                              with_entropy, mb.cu_seqlens, mb.max_seqlen, mb.attention_mask)  # fmt: skip
             if recorder is not None:
                 counts += self._routing_counts(mb, recorder.expert_ids())
         return head

@@ -41,11 +41,14 @@ def register() -> str:
     return ATTENTION_NAME
 
 
-def packed_attention_kwargs(cu_seqlens: Tensor | None, max_seqlen: int) -> dict[str, Any]:
-    """The decoder keyword arguments that carry a packed row's sample boundaries ({} for a padded batch)."""
-    if cu_seqlens is None:
-        return {}
-    return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
+def attention_kwargs(cu_seqlens: Tensor | None, max_seqlen: int, attention_mask: Tensor | None = None) -> dict[str, Any]:
+    """The decoder keyword arguments of a micro-batch's layout: a packed row's sample boundaries, a
+    shared-prompt row's 4D mask (`vime.trainer.shared_prompts`), or {} for a padded batch (causal)."""
+    if cu_seqlens is not None:
+        return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
+    if attention_mask is not None:
+        return dict(attention_mask=attention_mask)
+    return {}
 
 
 def packed_attention_forward(
