@@ -247,50 +247,30 @@ def _torch_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def _common_config_fields(r: DemoRecipe | TinyRecipe) -> dict[str, Any]:
+    """The fields a dense and a mixture-of-experts Qwen3 config share."""
+    return dict(
+        vocab_size=r.vocab_size, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_layers, num_attention_heads=r.num_heads, num_key_value_heads=r.num_kv_heads,
+        head_dim=r.head_dim, max_position_embeddings=r.max_position_embeddings,
+        tie_word_embeddings=getattr(r, "tie_embeddings", True), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID, dtype="float32",
+    )  # fmt: skip
+
+
 def _qwen3_config(r: DemoRecipe | TinyRecipe) -> Any:
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=r.vocab_size,
-        hidden_size=r.hidden_size,
-        intermediate_size=r.intermediate_size,
-        num_hidden_layers=r.num_layers,
-        num_attention_heads=r.num_heads,
-        num_key_value_heads=r.num_kv_heads,
-        head_dim=r.head_dim,
-        max_position_embeddings=r.max_position_embeddings,
-        tie_word_embeddings=getattr(r, "tie_embeddings", True),
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        dtype="float32",
-    )
+    return Qwen3Config(**_common_config_fields(r))
 
 
 def _qwen3_moe_config(r: TinyRecipe) -> Any:
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=r.vocab_size,
-        hidden_size=r.hidden_size,
-        intermediate_size=r.intermediate_size,
-        num_hidden_layers=r.num_layers,
-        num_attention_heads=r.num_heads,
-        num_key_value_heads=r.num_kv_heads,
-        head_dim=r.head_dim,
-        max_position_embeddings=r.max_position_embeddings,
-        num_experts=r.num_experts,
-        num_experts_per_tok=r.num_experts_per_tok,
-        moe_intermediate_size=r.moe_intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        tie_word_embeddings=r.tie_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        dtype="float32",
-    )
+        **_common_config_fields(r), num_experts=r.num_experts, num_experts_per_tok=r.num_experts_per_tok,
+        moe_intermediate_size=r.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------
