@@ -158,6 +158,10 @@ def test_share_prompts_flag_reaches_the_torch_trainer_and_is_refused_for_megatro
     assert not TorchTrainerConfig.from_vime_config(parse_config(["--config", str(path)])[0]).share_prompts
     with pytest.raises(ConfigError, match="share_prompts is the torch backend's"):
         load_config(path, {"share_prompts": True, "train_backend": "megatron"})
+    with pytest.raises(ConfigError, match="--no-share-prompts with --use-rollout-routing-replay"):
+        load_config(path, {"share_prompts": True, "use_rollout_routing_replay": True})
+    with pytest.raises(ConfigError, match="two micro-batch layouts"):
+        load_config(path, {"share_prompts": True, "pack_sequences": "on"})
 
 
 def test_rm_flags_reach_the_remote_reward_client() -> None:

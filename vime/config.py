@@ -345,6 +345,15 @@ class VimeConfig(BaseModel):
         return self.weight_cuda_ipc == "on" or (self.weight_cuda_ipc == "auto" and self.colocate)
 
     @model_validator(mode="after")
+    def _check_micro_batch_layout(self) -> VimeConfig:
+        if self.share_prompts and self.use_rollout_routing_replay:
+            raise ValueError("share_prompts cannot replay R3 routing traces (a shared prompt has no per-sample trace "
+                             "rows): pass --no-share-prompts with --use-rollout-routing-replay")  # fmt: skip
+        if self.share_prompts and self.pack_sequences == "on":
+            raise ValueError("share_prompts and pack_sequences 'on' are two micro-batch layouts: choose one")
+        return self
+
+    @model_validator(mode="after")
     def _check_megatron_layout(self) -> VimeConfig:
         if self.train_backend == "megatron":
             if self.gradient_checkpointing:
