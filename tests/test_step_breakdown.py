@@ -98,6 +98,13 @@ def test_moe_matmul_params_match_the_linear_layers_a_token_passes_in_transformer
     assert matmul_params(cfg) == linear + routers + all_expert_params * 2 // 8
 
 
+def test_a_saved_qwen3_moe_config_naming_its_experts_num_local_experts_counts_the_same() -> None:
+    moe = {**TINY_DENSE, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
+    assert matmul_params({**moe, "num_local_experts": 8}) == matmul_params({**moe, "num_experts": 8})
+    with pytest.raises(ValueError, match="num_local_experts"):  # Mixtral-style: no moe_intermediate_size
+        matmul_params({**TINY_DENSE, "num_local_experts": 8, "num_experts_per_tok": 2})
+
+
 def test_flops_refuse_an_unmodelled_mixture_of_experts_layout() -> None:
     with pytest.raises(ValueError, match="n_routed_experts"):
         training_flops_per_token({**TINY_DENSE, "n_routed_experts": 8, "num_experts_per_tok": 2}, seq_len=5)

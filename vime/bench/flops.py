@@ -37,12 +37,22 @@ def _query_dim(config: Mapping[str, Any] | Any) -> tuple[int, int]:
     return head_dim, heads * head_dim
 
 
+def _expert_count(config: Mapping[str, Any] | Any) -> int:
+    """Routed experts of a Qwen3-MoE layout (0 for a dense model or another layout). Its config names the
+    count `num_experts`; transformers 5 answers and may save it as `num_local_experts`, which Mixtral
+    also uses, so a Qwen3-MoE is told by its `moe_intermediate_size` and `num_experts_per_tok`."""
+    if _config_value(config, "num_experts", 0):
+        return int(_config_value(config, "num_experts"))
+    qwen3_moe = _config_value(config, "moe_intermediate_size", 0) and _config_value(config, "num_experts_per_tok", 0)
+    return int(_config_value(config, "num_local_experts", 0)) if qwen3_moe and not _config_value(config, "n_routed_experts", 0) else 0
+
+
 def _mlp_params(config: Mapping[str, Any] | Any, layer: int) -> int:
     """Matmul parameters one token goes through in `layer`'s MLP: the gated MLP (gate, up, down) of a
     dense layer; for a Qwen3-MoE sparse layer the router and the `num_experts_per_tok` experts it
     routes to (the active parameters, not all experts)."""
     hidden = int(_config_value(config, "hidden_size"))
-    experts = int(_config_value(config, "num_experts", 0))
+    experts = _expert_count(config)
     step = int(_config_value(config, "decoder_sparse_step", 1))
     sparse = experts > 0 and layer not in _config_value(config, "mlp_only_layers", []) and (layer + 1) % step == 0
     if not sparse:
@@ -59,8 +69,7 @@ def matmul_params(config: Mapping[str, Any] | Any) -> int:
 
     Raises ValueError for mixture-of-experts layouts that are not modelled (`_UNMODELLED_EXPERT_KEYS`)."""
     for key in _UNMODELLED_EXPERT_KEYS:
-        # transformers' Qwen3-MoE config answers `num_local_experts` as an alias of `num_experts`
-        if _config_value(config, key, 0) and not _config_value(config, "num_experts", 0):
+        if _config_value(config, key, 0) and not _expert_count(config):
             raise ValueError(f"training FLOPs of this mixture-of-experts layout ({key}) are not modelled; "
                              "dense and Qwen3-MoE configs only")  # fmt: skip
     hidden = int(_config_value(config, "hidden_size"))
