@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from vime.trainer.megatron.parallel import MegatronParallelConfig
 
 
+def check_shared_prompt_settings(share_prompts: bool, pack_sequences: str, routing_replay: bool) -> None:
+    """Raise ValueError naming the flags when `share_prompts` meets a setting it cannot serve: packed
+    rows (another micro-batch layout) or R3 routing replay. Used by the job's config at load and by
+    the torch trainer's own config (`vime.trainer.shared_prompts` is the layout)."""
+    if share_prompts and routing_replay:
+        raise ValueError("share_prompts cannot replay R3 routing traces (a shared prompt has no per-sample trace "
+                         "rows): pass --no-share-prompts with --use-rollout-routing-replay")  # fmt: skip
+    if share_prompts and pack_sequences == "on":
+        raise ValueError("share_prompts and pack_sequences 'on' are two micro-batch layouts: choose one")
+
+
 class VimeConfig(BaseModel):
     """The whole job. Field docs double as `--help` text."""
 
@@ -346,11 +357,7 @@ class VimeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_micro_batch_layout(self) -> VimeConfig:
-        if self.share_prompts and self.use_rollout_routing_replay:
-            raise ValueError("share_prompts cannot replay R3 routing traces (a shared prompt has no per-sample trace "
-                             "rows): pass --no-share-prompts with --use-rollout-routing-replay")  # fmt: skip
-        if self.share_prompts and self.pack_sequences == "on":
-            raise ValueError("share_prompts and pack_sequences 'on' are two micro-batch layouts: choose one")
+        check_shared_prompt_settings(self.share_prompts, self.pack_sequences, self.use_rollout_routing_replay)
         return self
 
     @model_validator(mode="after")

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vime.config import check_shared_prompt_settings
 from vime.logging import get_logger
 from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
@@ -165,11 +166,7 @@ class TorchTrainerConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.rollout_temperature <= 0:
             raise ValueError("rollout_temperature must be positive")
-        if self.share_prompts and self.pack_sequences == "on":
-            raise ValueError("share_prompts and pack_sequences 'on' are two micro-batch layouts; choose one")
-        if self.share_prompts and self.use_rollout_routing_replay:
-            raise ValueError("share_prompts cannot replay R3 routing traces (a shared prompt has no per-sample "
-                             "trace rows); turn one of them off")  # fmt: skip
+        check_shared_prompt_settings(self.share_prompts, self.pack_sequences, self.use_rollout_routing_replay)
 
 
 class _ResponseLogprobs(nn.Module):
@@ -198,10 +195,7 @@ class _ResponseLogprobs(nn.Module):
         head = self.hf.get_output_embeddings()
         if self.chunked and getattr(head, "bias", None) is None:  # no Qwen3/Llama/GLM head has a bias
             return head_logprobs_and_entropy(hidden, head.weight, targets, temperature, with_entropy=with_entropy)
-        logits = head(hidden)
-        if not with_entropy:
-            return losses.logprobs_from_logits(logits, targets, temperature), None
-        return losses.logprobs_and_entropy_from_logits(logits, targets, temperature, entropy_grad=self.entropy_grad)
+        return losses.token_logprobs_from_logits(head(hidden), targets, temperature, with_entropy, self.entropy_grad)
 
 
 class TorchTrainer(PolicyTrainer):
