@@ -95,6 +95,16 @@ def logprobs_and_entropy_from_logits(
     return logprobs, entropy
 
 
+def token_logprobs_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The full-logits head of both trainer backends: logprobs, and the entropy when `with_entropy`
+    (else None), as `logprobs_and_entropy_from_logits`."""
+    if not with_entropy:
+        return logprobs_from_logits(logits, targets, temperature), None
+    return logprobs_and_entropy_from_logits(logits, targets, temperature, entropy_grad=entropy_grad)
+
+
 class PolicyLossTerms(NamedTuple):
     """Per-token PPO terms; reduce them with `masked_mean` / `masked_sum`."""
 

@@ -351,12 +351,8 @@ class MegatronTrainer(PolicyTrainer):
             hidden = output.flatten(0, 1).to(weight.dtype)
             return head_logprobs_and_entropy(hidden, weight[: self.layout.vocab_size], mb.targets, temperature,
                                              with_entropy=with_entropy)  # fmt: skip
-        logits = self._logits(output, mb)
-        if not with_entropy:
-            return losses.logprobs_from_logits(logits, mb.targets, temperature), None
-        return losses.logprobs_and_entropy_from_logits(
-            logits, mb.targets, temperature, entropy_grad=self.objective.entropy_coef != 0.0
-        )
+        return losses.token_logprobs_from_logits(self._logits(output, mb), mb.targets, temperature, with_entropy,
+                                                 entropy_grad=self.objective.entropy_coef != 0.0)  # fmt: skip
 
     def _run(
         self, module: nn.Module, routers: list[TopKRouter], items: list[tuple[MicroBatch, float]],
