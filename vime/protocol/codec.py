@@ -20,6 +20,7 @@ problem, so a receiver can log it, reply with an error and keep running. Nothing
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,16 +93,23 @@ _frames_out: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("vime_fr
 _frames_in: contextvars.ContextVar[Sequence[Any]] = contextvars.ContextVar("vime_frames_in")
 
 
+# numpy's `dtype.name` is computed in Python on every access; a message of many small arrays (a group's
+# samples) spent more time naming dtypes than encoding. Lookups by dtype (hashed in C) instead.
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {np.dtype(name): name for name in ALLOWED_DTYPES}
+_DTYPES: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        if obj.dtype.name not in ALLOWED_DTYPES:
+        name = _DTYPE_NAMES.get(obj.dtype)
+        if name is None:
             raise TypeError(f"dtype {obj.dtype.name} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
         arr = np.ascontiguousarray(obj)
         if arr.nbytes < INLINE_ARRAY_BYTES:
-            return [arr.dtype.name, list(arr.shape), arr.tobytes()]
+            return [name, list(arr.shape), arr.tobytes()]
         frames = _frames_out.get()
         frames.append(arr.data if arr.ndim else memoryview(arr.tobytes()))
-        return [arr.dtype.name, list(arr.shape), len(frames) - 1]
+        return [name, list(arr.shape), len(frames) - 1]
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(f"cannot encode object of type {type(obj).__name__}")
@@ -119,12 +127,12 @@ def _dec_hook(expected: type, obj: Any) -> Any:
     if not (isinstance(obj, list) and len(obj) == 3):
         raise msgspec.ValidationError("an array must be [dtype, shape, frame_index | bytes]")
     dtype_name, shape, ref = obj
-    if not isinstance(dtype_name, str) or dtype_name not in ALLOWED_DTYPES:
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
         raise msgspec.ValidationError(f"array dtype {dtype_name!r} is not allowed")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) or len(shape) > 8:
         raise msgspec.ValidationError(f"array shape {shape!r} is not a list of non-negative ints")
-    dtype = np.dtype(dtype_name)
-    expected_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected_bytes = math.prod(shape) * dtype.itemsize
     if isinstance(ref, bytes):
         buf: memoryview = memoryview(ref)
     elif isinstance(ref, int):
