@@ -22,6 +22,7 @@ shared prompt.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,10 +37,9 @@ def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
     """Sample indices of `batch` by shared prompt: the same group id and the same prompt tokens, in
     order of first appearance."""
     groups: dict[tuple[int, bytes], list[int]] = {}
-    for i in range(batch.num_samples):
-        start, p = int(batch.seq_offsets[i]), int(batch.prompt_lengths[i])
-        key = (int(batch.group_ids[i]), batch.tokens[start : start + p].numpy().tobytes())
-        groups.setdefault(key, []).append(i)
+    tokens = batch.tokens.numpy()
+    for i, (start, p, group_id) in enumerate(zip(batch.seq_offsets.tolist(), batch.prompt_lengths.tolist(), batch.group_ids.tolist())):
+        groups.setdefault((group_id, tokens[start : start + p].tobytes()), []).append(i)
     return list(groups.values())
 
 
@@ -93,40 +93,48 @@ def shared_prompt_micro_batches(batch: RolloutBatch, max_tokens: int | None = No
 
 
 def _micro_batch(batch: RolloutBatch, rows: list[list[int]]) -> MicroBatch:
-    prompts = [int(batch.prompt_lengths[r[0]]) for r in rows]
-    widths = [p + sum(int(batch.response_lengths[i]) for i in r) for p, r in zip(prompts, rows)]
-    width = max(widths)
-    input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.int64)
-    position_ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    # Index arithmetic in numpy over all samples and tokens at once: a loop of small tensor ops per
+    # sample cost more than the model's forward on the CPU demo's batches.
+    samples = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    row_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    seq_offsets, resp_offsets = batch.seq_offsets.numpy(), batch.resp_offsets.numpy()
+    prompt = batch.prompt_lengths.numpy()[[r[0] for r in rows]].astype(np.int64)
+    n = (resp_offsets[samples + 1] - resp_offsets[samples]).astype(np.int64)
+    # where each response starts in its row: after the prompt and the row's earlier responses
+    before = np.cumsum(n) - n
+    row_first = np.cumsum([0] + [len(r) for r in rows[:-1]])
+    at = prompt[row_of] + before - before[row_first][row_of]
+    width = int((prompt + np.bincount(row_of, weights=n, minlength=len(rows)).astype(np.int64)).max())
+
+    tok_sample = np.repeat(np.arange(samples.size), n)
+    t = np.arange(tok_sample.size) - np.repeat(before, n)  # position within its response
+    tok_row = row_of[tok_sample]
+    tok_pos = at[tok_sample] + t
+    tokens = batch.tokens.numpy()
+    response = tokens[seq_offsets[samples][tok_sample] + prompt[tok_row] + t].astype(np.int64)
+
+    prompt_row = np.repeat(np.arange(len(rows)), prompt)
+    prompt_pos = np.arange(prompt_row.size) - np.repeat(np.cumsum(prompt) - prompt, prompt)
+    input_ids = np.full((len(rows), width), PAD_TOKEN_ID, dtype=np.int64)
+    position_ids = np.zeros((len(rows), width), dtype=np.int64)
     # segment id per position: 0 prompt, j + 1 the row's j-th response, -1 padding
-    segment = torch.full((len(rows), width), -1, dtype=torch.int64)
-    logit_index, targets, token_sample, token_index, sample_index = [], [], [], [], []
-    for b, (r, p) in enumerate(zip(rows, prompts)):
-        start = int(batch.seq_offsets[r[0]])
-        input_ids[b, :p] = batch.tokens[start : start + p]
-        position_ids[b, :p] = torch.arange(p)
-        segment[b, :p] = 0
-        at = p
-        for j, i in enumerate(r):
-            r0, r1 = int(batch.resp_offsets[i]), int(batch.resp_offsets[i + 1])
-            n, s = r1 - r0, int(batch.seq_offsets[i])
-            response = batch.tokens[s + p : s + p + n].to(torch.int64)
-            input_ids[b, at : at + n] = response
-            position_ids[b, at : at + n] = torch.arange(p, p + n)
-            segment[b, at : at + n] = j + 1
-            # response token 0 is predicted by the prompt's last position, token t by response token t - 1
-            flat = b * width
-            logit_index.append(torch.cat([torch.tensor([flat + p - 1]), torch.arange(flat + at, flat + at + max(0, n - 1))])[:n])
-            targets.append(response)
-            token_sample.append(torch.full((n,), len(sample_index), dtype=torch.int64))
-            token_index.append(torch.arange(r0, r1))
-            sample_index.append(i)
-            at += n
-    index = torch.cat(token_index)
+    segment = np.full((len(rows), width), -1, dtype=np.int64)
+    first_sample = np.array([r[0] for r in rows], dtype=np.int64)
+    input_ids[prompt_row, prompt_pos] = tokens[seq_offsets[first_sample][prompt_row] + prompt_pos]
+    position_ids[prompt_row, prompt_pos] = prompt_pos
+    segment[prompt_row, prompt_pos] = 0
+    input_ids[tok_row, tok_pos] = response
+    position_ids[tok_row, tok_pos] = prompt[tok_row] + t
+    segment[tok_row, tok_pos] = (np.arange(samples.size) - row_first[row_of])[tok_sample] + 1
+    # response token 0 is predicted by the prompt's last position, token t by response token t - 1
+    logit_index = tok_row * width + np.where(t == 0, prompt[tok_row] - 1, tok_pos - 1)
+    index = torch.from_numpy(resp_offsets[samples][tok_sample] + t).to(torch.int64)
+    position_ids_t = torch.from_numpy(position_ids)
     return MicroBatch(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=_tree_mask(segment, position_ids),
-        logit_index=torch.cat(logit_index), targets=torch.cat(targets), token_sample=torch.cat(token_sample),
-        token_index=index, sample_index=torch.tensor(sample_index, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids), position_ids=position_ids_t,
+        attention_mask=_tree_mask(torch.from_numpy(segment), position_ids_t),
+        logit_index=torch.from_numpy(logit_index), targets=torch.from_numpy(response),
+        token_sample=torch.from_numpy(tok_sample), token_index=index, sample_index=torch.from_numpy(samples),
         loss_mask=batch.loss_mask[index], rollout_logprobs=batch.rollout_logprobs[index],
         advantages=batch.advantages[index],
     )  # fmt: skip
