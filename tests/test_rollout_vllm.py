@@ -115,7 +115,7 @@ def publisher() -> Iterator[WeightPublisher]:
 @pytest.fixture(scope="module")
 def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
     # The engine core and worker processes read these at spawn; restore the caller's values after.
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
     saved = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         os.environ.setdefault(k, v)
@@ -154,10 +154,24 @@ def test_engine_counts_versions_itself_and_checks_against_vllm(engine) -> None:
     assert engine._native_versions == stamps  # the cross-check runs wherever vLLM can be compared with
 
 
-def test_first_update_after_start_with_requests_running(loop, engine, model_dir, publisher) -> None:
+def pause_calls(engine, monkeypatch) -> list[dict]:
+    """The keyword arguments of every `pause_generation` the engine makes in vLLM from now on."""
+    calls: list[dict] = []
+    real = engine._llm.pause_generation
+
+    async def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(engine._llm, "pause_generation", counted)
+    return calls
+
+
+def test_first_update_after_start_with_requests_running(loop, engine, model_dir, publisher, monkeypatch) -> None:
     """An update while the first generations after start run (not frozen: the update's own pause). The
     warm-up in start() keeps this pause from waiting for a sampler compile; how long it takes is
     measured by bench/inflight_update.py. Here: the requests survive it intact, versions in order."""
+    pauses = pause_calls(engine, monkeypatch)
 
     async def scenario():
         start = engine.progress
@@ -171,6 +185,7 @@ def test_first_update_after_start_with_requests_running(loop, engine, model_dir,
     result, groups = loop.run_until_complete(scenario())
     print(f"\nfirst update: {result}")
     assert result.version == 1 and engine.weight_version == 1 and not result.skipped
+    assert [p["mode"] for p in pauses] == ["keep"]
     for samples in groups:
         for s in samples:
             assert s.response_length == 400 and s.finish_reason == "length"
@@ -208,7 +223,8 @@ def test_generate_shapes_dtypes_and_finish_reasons(loop, engine) -> None:
     assert [s.response_tokens.tolist() for s in a] == [s.response_tokens.tolist() for s in b]
 
 
-def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publisher) -> None:
+def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publisher, monkeypatch) -> None:
+    """An update of an idle engine (no pause: the gate holds new requests), then scores and samples."""
     response = [10, 11, 12, 13, 14, 15, 16, 17]
     old_weights = peaked_weights(model_dir, seed=11) if engine.weight_version >= 1 else None  # first test's
     before = loop.run_until_complete(engine.score(PROMPT, response))
@@ -217,8 +233,10 @@ def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publis
     new = peaked_weights(model_dir, seed=1)
     version = next(_versions)
     publisher.publish(version, new)
+    pauses = pause_calls(engine, monkeypatch)
     result = loop.run_until_complete(engine.update_weights(version))
     assert result.version == version and not result.skipped and result.nbytes > 0
+    assert pauses == []
 
     after = loop.run_until_complete(engine.score(PROMPT, response))
     assert_bf16_close(after, reference_logprobs(model_dir, new, PROMPT, response))
@@ -319,6 +337,35 @@ def test_cancelled_generate_is_aborted_in_the_engine(loop, engine) -> None:
     unfinished, (s,) = loop.run_until_complete(scenario())
     assert unfinished == 0
     assert s.response_length == 3
+
+
+def _descendants_cpu_s() -> float:
+    """CPU seconds used so far by this process's descendants (the engine core and any worker)."""
+    def kids(pid: int) -> list[int]:
+        found = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+        return found + [d for k in found for d in kids(k)]
+
+    total = 0
+    for pid in kids(os.getpid()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's executor")
+def test_cpu_engine_runs_its_worker_in_the_engine_core_and_idles_without_spinning(loop, engine) -> None:
+    """vLLM-CPU's multiprocess executor keeps its worker busy-polling for a second after every step; the
+    in-process executor vime picks leaves an idle engine idle."""
+    from vime.rollout.vllm_cpu_executor import CpuInCoreExecutor
+
+    assert engine._llm.vllm_config.parallel_config.distributed_executor_backend is CpuInCoreExecutor
+    loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=4)))
+    before = _descendants_cpu_s()
+    loop.run_until_complete(asyncio.sleep(1.0))
+    assert _descendants_cpu_s() - before < 0.4  # a polling worker would use about 1 core-second here
 
 
 def test_engine_args_are_normalized_and_guarded() -> None:

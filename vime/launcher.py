@@ -58,8 +58,12 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
     for i in range(cfg.num_rollout_workers):
         env = dict(base)
         if cpu_only:
-            # vLLM-CPU: a small KV cache and one core per engine leave the other core to the trainer.
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # vLLM-CPU: a small KV cache, and one thread per engine, not pinned: the engine runs its
+            # worker in process (vime.rollout.vllm_engine) and takes whichever core is free, as the
+            # trainer does. The binding only applies when a user picks vLLM's multiprocess executor.
+            if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & {key.replace("-", "_") for key in cfg.vllm}:
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM-CPU would prefer it over the config's size
+            env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(i % max(1, os.cpu_count() or 1)))
         children.append(Child(f"rollout-{i}", [py, "-m", "workers.main", "--role", "rollout", "--worker-id", f"rollout-{i}", *common], env, logs / f"rollout-{i}.log"))
     master_port = str(free_port())

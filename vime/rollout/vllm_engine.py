@@ -14,11 +14,12 @@ step costs, why pauses can be slow, and the vLLM versions this runs on: docs/vll
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import numpy as np
 
@@ -53,6 +54,9 @@ FORCED_ENGINE_ARGS: dict[str, Any] = {
 # fails to start next to a trainer; use a small share unless the user chose one (or VLLM_CPU_KVCACHE_SPACE).
 CPU_DEFAULT_MEMORY_FRACTION = 0.1
 _FETCH_POLL_S = (0.002, 0.02)  # status polling interval while the worker fetches: start, cap
+# How long a worker of an engine with no request in flight may hold a status poll for the fetch to end:
+# the engine core serves nothing else meanwhile, so a request arriving then waits up to this long.
+_IDLE_FETCH_WAIT_S = 0.25
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 # Where per-token weight versions come from: vLLM's own stamps (0.32+), vime's ledger (any vLLM whose
 # front end it can read; the only choice on 0.26), or "auto": vLLM's when it has them.
@@ -103,6 +107,10 @@ def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError("pass the model as model_path, not as an engine arg")
     return args
 
+def _one_worker(args: dict[str, Any]) -> bool:
+    return all(int(args.get(key, 1) or 1) == 1 for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+
+
 class VllmRolloutEngine(RolloutEngine):
     """`RolloutEngine` on vLLM's `AsyncLLM`. See the module docstring for the update protocol.
 
@@ -134,6 +142,9 @@ class VllmRolloutEngine(RolloutEngine):
         self._barrier: OutputBarrier | None = None
         self._registrations_done = asyncio.Event()  # no request is between the gate and vLLM's registry
         self._registrations_done.set()
+        self._requests_in_flight = 0
+        self._requests_done = asyncio.Event()  # every registered request has had its final output
+        self._requests_done.set()
         # Requests whose vime ledger versions differed from vLLM's stamps (both kept: a self-check).
         self.version_disagreements = 0
         # partial rollouts (default): requests in flight at an update are frozen, then continue under the
@@ -202,6 +213,10 @@ class VllmRolloutEngine(RolloutEngine):
         ):
             args["gpu_memory_utilization"] = CPU_DEFAULT_MEMORY_FRACTION
         args.update(FORCED_ENGINE_ARGS)
+        if current_platform.is_cpu() and "distributed_executor_backend" not in args and _one_worker(args):
+            from vime.rollout.vllm_cpu_executor import CpuInCoreExecutor
+
+            args["distributed_executor_backend"] = CpuInCoreExecutor
         if self._sleep_mode and current_platform.is_sleep_mode_available():
             # vLLM's CuMem allocator, so that sleeping really frees the GPU memory (the CPU build has no
             # sleep mode: there sleeping only stops the scheduler).
@@ -390,25 +405,39 @@ class VllmRolloutEngine(RolloutEngine):
         """Submit one request and wait for its final output (vLLM's `generate` loop, with the moment the
         request is registered made visible to the version ledger). Aborts it in vLLM if we fail or are
         cancelled once it is registered."""
-        self._begin_registration()
+        with self._in_flight():
+            self._begin_registration()
+            try:
+                collector = await llm.add_request(request_id, inputs, params)
+                if self._ledger is not None:
+                    self._ledger.track(request_id, params.n, self._version)
+            finally:
+                self._end_registration()
+            try:
+                while True:
+                    output = collector.get_nowait() or await collector.get()
+                    if output.finished:
+                        return output
+            except BaseException:
+                if not self._closed:
+                    try:
+                        await _to_completion(llm.abort(collector.request_id, internal=True))
+                    except Exception as exc:  # the engine is gone: the original error says more
+                        log.warning("could not abort a vLLM request", request_id=request_id, error=str(exc))
+                raise
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Counts a request from the gate to its final output (entered before anything yields, so with
+        the gate closed a count of 0 means vLLM holds no request of ours)."""
+        self._requests_in_flight += 1
+        self._requests_done.clear()
         try:
-            collector = await llm.add_request(request_id, inputs, params)
-            if self._ledger is not None:
-                self._ledger.track(request_id, params.n, self._version)
+            yield
         finally:
-            self._end_registration()
-        try:
-            while True:
-                output = collector.get_nowait() or await collector.get()
-                if output.finished:
-                    return output
-        except BaseException:
-            if not self._closed:
-                try:
-                    await _to_completion(llm.abort(collector.request_id, internal=True))
-                except Exception as exc:  # the engine is gone: the original error says more
-                    log.warning("could not abort a vLLM request", request_id=request_id, error=str(exc))
-            raise
+            self._requests_in_flight -= 1
+            if self._requests_in_flight == 0:
+                self._requests_done.set()
 
     async def _through_gate(self) -> None:
         # Re-checked after waking: an update may have closed the gate again before this task ran, and
@@ -442,8 +471,9 @@ class VllmRolloutEngine(RolloutEngine):
         tokens = [int(t) for t in prompt_tokens] + [int(t) for t in response_tokens]
         final = None
         inputs = self._inputs(tokens, cache_salt=self._cache_salt())
-        async for output in llm.generate(inputs, params, request_id=self._request_id("score")):
-            final = output
+        with self._in_flight():
+            async for output in llm.generate(inputs, params, request_id=self._request_id("score")):
+                final = output
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vLLM returned no prompt logprobs")
         start = len(prompt_tokens)
@@ -577,7 +607,10 @@ class VllmRolloutEngine(RolloutEngine):
         deadline = time.monotonic() + 3 * self._fetch_timeout_s
         delay = _FETCH_POLL_S[0]
         while True:
-            statuses = await llm.collective_rpc("vime_fetch_status")
+            # An idle engine has no steps to keep going: its workers answer when the fetch is done
+            # (or after a short wait), instead of after the next backoff interval.
+            wait_s = _IDLE_FETCH_WAIT_S if self._requests_in_flight == 0 else 0.0
+            statuses = await llm.collective_rpc("vime_fetch_status", args=(wait_s,))
             if any(s is None for s in statuses):
                 raise WeightFetchFailed("a vLLM worker lost its weight fetch")
             if all(s["done"] for s in statuses):
@@ -612,6 +645,9 @@ class VllmRolloutEngine(RolloutEngine):
             try:
                 await self._registrations_done.wait()
                 await llm.sleep(level=level, mode="wait")
+                # vLLM answers the sleep call before its front end has handed the drained requests'
+                # final outputs to their callers; "finish first" means those callers have them.
+                await self._requests_done.wait()
             except BaseException:
                 self._submit_open.set()
                 raise
@@ -665,13 +701,19 @@ class VllmRolloutEngine(RolloutEngine):
         self._submit_open.clear()
         user_paused = self._user_paused
         t0 = time.perf_counter()
+        paused = False
         try:
             await self._registrations_done.wait()  # requests past the gate reach vLLM's registry first
-            if not self._partial_rollout:
+            # With the gate closed and no request of ours in vLLM, nothing can run during the load: the
+            # pause and resume (two engine round trips) would guard nothing.
+            idle = self._requests_in_flight == 0
+            if not self._partial_rollout and not idle:
                 # Also on a frozen engine: PAUSED_ALL -> PAUSED_NEW lets its requests finish first.
                 await llm.pause_generation(mode="wait", clear_cache=False)
-            elif not user_paused:
+                paused = True
+            elif not user_paused and not idle:
                 await llm.pause_generation(mode="keep", clear_cache=False)
+                paused = True
             positions = None
             if self._ledger is not None:
                 assert self._barrier is not None
@@ -683,9 +725,10 @@ class VllmRolloutEngine(RolloutEngine):
         finally:
             # Never leave the engine paused by the update, whatever failed above; a user's freeze stays.
             if not user_paused:
-                await llm.resume_generation()
+                if paused:
+                    await llm.resume_generation()
                 self._submit_open.set()
-            elif not self._partial_rollout:
+            elif paused and not self._partial_rollout:
                 await llm.pause_generation(mode="keep", clear_cache=False)  # back from "wait" to a freeze
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}

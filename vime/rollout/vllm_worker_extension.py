@@ -158,10 +158,12 @@ class VimeWorkerExtension:
         job.thread.start()
         return job.status()
 
-    def vime_fetch_status(self) -> dict[str, Any] | None:
+    def vime_fetch_status(self, wait_s: float = 0.0) -> dict[str, Any] | None:
         """Status of the background fetch ({done, min_version, version, nbytes, fetch_s, error}), or
-        None when no fetch was started."""
+        None when no fetch was started; waits up to `wait_s` for the fetch to finish first."""
         job: _VimeFetchJob | None = getattr(self, "_vime_job", None)
+        if job is not None and wait_s > 0:
+            job.done.wait(wait_s)
         return None if job is None else job.status()
 
     def vime_apply_fetched(self, wait_s: float = 60.0) -> dict[str, Any]:
