@@ -140,10 +140,17 @@ def test_the_chunked_head_trains_like_full_logits(checkpoints, kind):
 
 
 def test_torch_compile_trains_like_eager(checkpoints):
-    """`torch_compile` compiles the decoder layers (~20 s on 2 cores): the same metrics and weights after
-    a step whose micro-batches have different lengths (dynamic shapes, no recompile per shape)."""
+    """`torch_compile` compiles the decoder layers (~20 s on 2 cores) when the trainer is built, with a
+    warm-up that leaves no gradient behind: the same metrics and weights after a step whose
+    micro-batches have different lengths, and that step compiles nothing (dynamic shapes)."""
+    from torch._dynamo.utils import counters
+
     trainers = {c: TorchTrainer(config(checkpoints["dense"], torch_compile=c, micro_batch_size=2)) for c in (True, False)}
+    assert all(p.grad is None for p in trainers[True].hf_model.parameters())
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
     metrics = {c: t.train_step(make_batch(seed=5)) for c, t in trainers.items()}
+    assert counters["stats"]["unique_graphs"] == graphs
     for name in metrics[False]:
         assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-4, abs=1e-6), name
     eager = dict(trainers[False].hf_model.named_parameters())

@@ -46,9 +46,11 @@ import json
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -61,7 +63,7 @@ from vime.trainer import losses
 from vime.trainer import estimators, varlen_attention
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
-from vime.trainer.batch import MicroBatch, RolloutBatch, _ranges
+from vime.trainer.batch import MicroBatch, RolloutBatch, SampleRecord, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 from vime.trainer.optim import OptimizerImplementation, adamw
@@ -280,6 +282,8 @@ class TorchTrainer(PolicyTrainer):
                 device=self.device, world_size=self.world_size, autocast=self._autocast,
                 attn_implementation=attn_implementation, optimizer_implementation=cfg.optimizer_implementation,
             )  # fmt: skip
+        if cfg.torch_compile and self.world_size == 1:
+            self._warm_up_compiled_layers()
         log.info(
             "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
             device=str(self.device), compute_dtype=str(self.compute_dtype), fsdp=self.use_fsdp,
@@ -311,6 +315,30 @@ class TorchTrainer(PolicyTrainer):
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     # ------------------------------------------------------------------------------- forwards
+
+    def _warm_up_compiled_layers(self) -> None:
+        """Compile the decoder layers (forward and backward) before the first batch arrives, while the
+        rollout engines start, instead of inside the first step: one forward and backward of a small
+        random batch in the job's micro-batch layout. Gradients are dropped; weights, optimizer and the
+        global random state are untouched. One rank only: on several, a stray backward would join DDP's
+        or FSDP's collectives."""
+        started = time.perf_counter()
+        rng = np.random.default_rng(0)
+        vocab = int(self.hf_model.config.vocab_size)
+        records = []
+        for group in range(2):  # sizes >= 2 everywhere: torch.compile specialises dimensions of size 1
+            prompt = rng.integers(1, vocab, 4)
+            for _ in range(2):
+                records.append(SampleRecord(group_index=group, prompt_tokens=prompt, response_tokens=rng.integers(1, vocab, 3),
+                                            rollout_logprobs=np.zeros(3), loss_mask=np.ones(3), reward=0.0))  # fmt: skip
+        batch = RolloutBatch.from_samples(records)
+        batch.advantages = torch.zeros(batch.rollout_logprobs.numel())
+        mb = self._synced_micro_batches(batch)[0]
+        assert mb is not None
+        logprobs, entropy = self._logprobs(self.module, mb.to(self.device))
+        (logprobs.sum() + (entropy.sum() if entropy is not None else 0.0)).backward()
+        self.module.zero_grad(set_to_none=True)
+        log.info("compiled_layers_warmed_up", seconds=round(time.perf_counter() - started, 2))
 
     def _synced_micro_batches(self, shard: RolloutBatch) -> list[MicroBatch | None]:
         """This rank's micro-batches, padded with None so every rank has the same count."""
