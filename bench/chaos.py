@@ -292,6 +292,8 @@ def build_config(args: argparse.Namespace, run_dir: Path, model: Path):  # type:
         reward_concurrency=args.reward_concurrency, worker_timeout_s=args.worker_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, broker_address=f"tcp://127.0.0.1:{free_port()}",
         seed=args.seed, trainer_world_size=args.trainer_ranks,
+        # Every restarted trainer would compile its layers again; the harness measures recovery, not speed.
+        torch_compile=False,
     )  # fmt: skip
     if args.max_staleness is not None:
         overrides["max_staleness"] = args.max_staleness
