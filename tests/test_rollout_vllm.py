@@ -368,6 +368,23 @@ def test_cpu_engine_runs_its_worker_in_the_engine_core_and_idles_without_spinnin
     assert _descendants_cpu_s() - before < 0.4  # a polling worker would use about 1 core-second here
 
 
+def test_the_silent_prometheus_logger_stands_in_for_vllms_and_registers_nothing() -> None:
+    """With `disable_log_stats` vime hands vLLM this logger, so vLLM adds no Prometheus logger of its own."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from vime.rollout.vllm_stats import silent_prometheus_logger
+
+    cls = silent_prometheus_logger()
+    assert issubclass(cls, PrometheusStatLogger)  # what vLLM checks before adding its own
+    before = set(REGISTRY._names_to_collectors)
+    logger = cls(vllm_config=None, engine_indexes=[0])
+    logger.record(None, None)
+    logger.record_sleep_state(1, 1)
+    logger.log_engine_initialized()
+    assert set(REGISTRY._names_to_collectors) == before
+
+
 def test_engine_args_are_normalized_and_guarded() -> None:
     args = normalize_engine_args({"max-model-len": 64, "dtype": "bfloat16"})
     assert args == {"max_model_len": 64, "dtype": "bfloat16"}

@@ -38,7 +38,7 @@ from vime.rollout.base import (
 )
 from vime.rollout.vllm_environment import apply_vllm_environment
 from vime.rollout.vllm_owner_watch import arm as arm_owner_watch
-from vime.rollout.vllm_stats import OutputBarrier, StatHooks, stat_logger_factory
+from vime.rollout.vllm_stats import OutputBarrier, StatHooks, silent_prometheus_logger, stat_logger_factory
 from vime.rollout.vllm_versions import VersionLedger, output_positions
 
 log = get_logger(__name__)
@@ -233,9 +233,10 @@ class VllmRolloutEngine(RolloutEngine):
         started = time.perf_counter()
         # Built on a thread so this loop stays responsive (heartbeats) during the tens of seconds vLLM
         # needs; AsyncLLM starts its asyncio tasks lazily on first use when made outside a loop.
-        self._llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, engine_args, stat_loggers=[stat_logger_factory(self._stats)]
-        )
+        stat_loggers = [stat_logger_factory(self._stats)]
+        if args.get("disable_log_stats"):
+            stat_loggers.append(silent_prometheus_logger())
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=stat_loggers)
         self._choose_version_source()
         self._tokenizer = self._llm.tokenizer
         if self._capture_routing:
@@ -396,7 +397,8 @@ class VllmRolloutEngine(RolloutEngine):
             final = await self._run_request(llm, request_id, inputs, params)
             completions = sorted(final.outputs, key=lambda c: c.index)
             prompt_len = len(prompt_tokens)
-            return [self._to_sample(c, fallback_version, prompt_len, request_id) for c in completions]
+            texts = self._decode([c.token_ids for c in completions])
+            return [self._to_sample(c, text, fallback_version, prompt_len, request_id) for c, text in zip(completions, texts)]
         finally:
             if self._ledger is not None:
                 self._ledger.forget(request_id)
@@ -481,8 +483,15 @@ class VllmRolloutEngine(RolloutEngine):
             [final.prompt_logprobs[i][tokens[i]].logprob for i in range(start, len(tokens))], dtype=np.float32
         )
 
+    def _decode(self, token_ids: list[Any]) -> list[str]:
+        """The samples' texts in one tokenizer call (vLLM's tokenizer wrapper costs a pool checkout per call)."""
+        if self._tokenizer is None:
+            return [""] * len(token_ids)
+        texts = self._tokenizer.batch_decode([list(ids) for ids in token_ids], skip_special_tokens=True)
+        return [text if len(ids) else "" for text, ids in zip(texts, token_ids)]
+
     def _to_sample(
-        self, completion: Any, fallback_version: int, prompt_len: int = 0, request_id: str | None = None
+        self, completion: Any, text: str, fallback_version: int, prompt_len: int = 0, request_id: str | None = None
     ) -> GeneratedSample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
         logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
@@ -491,9 +500,6 @@ class VllmRolloutEngine(RolloutEngine):
         if finish is None:  # "error" or unknown: the sample is unusable, like an abort
             log.warning("vllm request ended abnormally", finish_reason=completion.finish_reason)
             finish = "abort"
-        text = ""
-        if self._tokenizer is not None and len(tokens):
-            text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         routed = getattr(completion, "routed_experts", None) if self._capture_routing else None
         trace = None
         if routed is not None and finish != "abort":

@@ -71,6 +71,35 @@ def stat_logger_factory(hooks: StatHooks) -> Any:
     return factory
 
 
+def silent_prometheus_logger() -> type:
+    """A stand-in for vLLM's Prometheus stat logger that records nothing, for jobs that turn vLLM's
+    stats off (`disable_log_stats`): vLLM adds its own Prometheus logger to any custom ones unless one
+    of them is a Prometheus logger, and its per-request histograms cost the front end more CPU per step
+    than the rest of vime's sample handling. vime serves no Prometheus endpoint from the engine."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class SilentPrometheusStatLogger(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: Any = None) -> None:  # registers no metrics
+            pass
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SilentPrometheusStatLogger
+
+
 class OutputBarrier:
     """Waits until vLLM's front end has processed every engine output that reached it so far.
 
