@@ -96,13 +96,15 @@ def _micro_batch(batch: RolloutBatch, rows: list[list[int]]) -> MicroBatch:
     # Index arithmetic in numpy over all samples and tokens at once: a loop of small tensor ops per
     # sample cost more than the model's forward on the CPU demo's batches.
     samples = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-    row_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    sizes = np.array([len(r) for r in rows], dtype=np.int64)
+    row_of = np.repeat(np.arange(len(rows)), sizes)
+    row_first = np.cumsum(sizes) - sizes  # each row's first entry in `samples`
+    first_sample = samples[row_first]
     seq_offsets, resp_offsets = batch.seq_offsets.numpy(), batch.resp_offsets.numpy()
-    prompt = batch.prompt_lengths.numpy()[[r[0] for r in rows]].astype(np.int64)
+    prompt = batch.prompt_lengths.numpy()[first_sample].astype(np.int64)
     n = (resp_offsets[samples + 1] - resp_offsets[samples]).astype(np.int64)
     # where each response starts in its row: after the prompt and the row's earlier responses
     before = np.cumsum(n) - n
-    row_first = np.cumsum([0] + [len(r) for r in rows[:-1]])
     at = prompt[row_of] + before - before[row_first][row_of]
     width = int((prompt + np.bincount(row_of, weights=n, minlength=len(rows)).astype(np.int64)).max())
 
@@ -119,7 +121,6 @@ def _micro_batch(batch: RolloutBatch, rows: list[list[int]]) -> MicroBatch:
     position_ids = np.zeros((len(rows), width), dtype=np.int64)
     # segment id per position: 0 prompt, j + 1 the row's j-th response, -1 padding
     segment = np.full((len(rows), width), -1, dtype=np.int64)
-    first_sample = np.array([r[0] for r in rows], dtype=np.int64)
     input_ids[prompt_row, prompt_pos] = tokens[seq_offsets[first_sample][prompt_row] + prompt_pos]
     position_ids[prompt_row, prompt_pos] = prompt_pos
     segment[prompt_row, prompt_pos] = 0
