@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vime.rewards.remote import RemoteReward, RemoteRewardSettings
+from vime.rewards.remote import RemoteReward, RemoteRewardSettings, distinct_items
 from vime.rewards.types import RewardResult
 from vime.rewards.wire import ReplyError, ScoreItem, decode_reply, encode_reply, encode_request
 
@@ -178,6 +178,35 @@ def test_every_format_maps_rewards_to_their_samples(fault_server: str, fmt: str)
     assert stats["rm_requests"] == (7 if fmt == "slime" else 3)  # slime: one per sample; others: batches of 3
     if fmt != "slime":
         assert results[2].extra["len"] == 3  # other fields travel as extras
+
+
+@pytest.mark.parametrize("fmt", ["slime", "openrlhf", "vime"])
+def test_identical_samples_go_to_the_server_once(fault_server: str, fmt: str) -> None:
+    """A group that repeats answers: each distinct sample is sent once and every copy gets its reward."""
+    repeated = [ScoreItem(f"d{i}", "prompt: ", "x" * (1 + i % 3), str(1 + i % 3)) for i in range(9)]
+    path = f"ok/dedupe-{fmt}"
+    results, stats = score(settings(f"{fault_server}/{path}", fmt=fmt, batch_size=2), repeated)
+    assert [r.reward for r in results] == [float(1 + i % 3) for i in range(9)]
+    assert stats["rm_samples_deduplicated"] == 6 and stats["rm_samples"] == 9
+    assert server_stats(fault_server)[path] == (3 if fmt == "slime" else 2)  # 3 distinct: 3 posts, or batches of 2
+
+
+def test_without_dedupe_or_with_other_metadata_every_sample_is_sent(fault_server: str) -> None:
+    same = [ScoreItem(f"s{i}", "prompt: ", "xx", "2") for i in range(4)]
+    results, stats = score(settings(f"{fault_server}/ok/no-dedupe", dedupe=False), same)
+    assert [r.reward for r in results] == [2.0] * 4 and "rm_samples_deduplicated" not in stats
+    assert server_stats(fault_server)["ok/no-dedupe"] == 4
+    turns = [ScoreItem(f"t{i}", "prompt: ", "xx", "2", {"turn": i}) for i in range(3)] + [ScoreItem("t9", "prompt: ", "xx", "2", {"turn": 0})]
+    results, stats = score(settings(f"{fault_server}/ok/metadata"), turns)
+    assert [r.reward for r in results] == [2.0] * 4 and stats["rm_samples_deduplicated"] == 1
+    assert server_stats(fault_server)["ok/metadata"] == 3
+
+
+def test_items_whose_metadata_cannot_be_keyed_are_never_merged() -> None:
+    odd = {1: "a", "b": 2}  # json.dumps(sort_keys=True) cannot order int and str keys
+    batch = [ScoreItem("a", "p", "r", "l", odd), ScoreItem("b", "p", "r", "l", odd), ScoreItem("c", "p", "r", "l"), ScoreItem("d", "p", "r", "l")]
+    distinct, twin_of = distinct_items(batch)
+    assert [i.id for i in distinct] == ["a", "b", "c"] and twin_of == [0, 1, 2, 2]
 
 
 def test_reward_key_picks_a_field_of_a_dict_reward(fault_server: str) -> None:

@@ -117,6 +117,11 @@ class VimeConfig(BaseModel):
         "is tried again at once, up to 3 times, instead of waiting for the kernel's 1 s SYN retransmit "
         "(a small server's full listen queue drops SYNs); 0: off",
     )  # fmt: skip
+    rm_dedupe: bool = Field(
+        True, description="remote_rm: samples of one message with the same prompt, response, label and metadata "
+        "go to the server once and share its answer (GRPO groups repeat answers); --no-rm-dedupe: one request each, for "
+        "a judge whose answers should be drawn independently",
+    )  # fmt: skip
     num_reward_workers: int = Field(1, ge=1)
     reward_concurrency: int = Field(16, ge=1, description="groups a reward worker scores at once")
 

@@ -30,7 +30,11 @@ connecting, 408/429/502/503/504, a wrong token that fails everything) they wait 
 tried again with backoff until the servers answer, or until `max_wait_s` has passed. The rule and the
 warnings a waiting job gives are `vime.rewards.outage`'s.
 
-Counters for the worker's heartbeat (`stats()`): requests, retries, quick connect retries, circuits opened, holds (rounds that
+Samples of one batch that a server would see as the same (prompt, response, label and metadata) are sent
+once and share the answer (`dedupe`, --rm-dedupe): GRPO groups often repeat an answer, and a judge's
+call costs the same each time. Turn it off for a judge whose answers should be independent draws.
+
+Counters for the worker's heartbeat (`stats()`): requests, samples deduplicated, retries, quick connect retries, circuits opened, holds (rounds that
 waited), samples waiting, outage seconds, the adaptive limit, connect stalls and limit cuts, and failed
 samples by kind (timeout, connection, http_5xx, http_408, http_429, malformed, auth, rejected,
 bad_reply, circuit_open, internal; `unscorable` when the server answered but gave that sample no usable
@@ -111,6 +115,8 @@ class RemoteRewardSettings(BaseModel):
     # up to `connect_retries` times; the last try waits as long as `timeout_s`. 0: no quick retries.
     connect_retry_s: float = Field(0.05, ge=0.0)
     connect_retries: int = Field(3, ge=0)
+    # Identical samples of one `score_batch` (same prompt, response, label, metadata) are sent once (--rm-dedupe).
+    dedupe: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any, environ: Mapping[str, str] | None = None) -> RemoteRewardSettings:
@@ -129,6 +135,7 @@ class RemoteRewardSettings(BaseModel):
             breaker_reset_s=cfg.rm_breaker_reset_s,
             max_wait_s=cfg.rm_max_wait_s,
             connect_retry_s=cfg.rm_connect_retry_s,
+            dedupe=cfg.rm_dedupe,
             token=SecretStr(token) if token else None,
         )
 
@@ -266,10 +273,17 @@ class RemoteReward:
         """One result per item, in order; failures are failed results (see the module docstring)."""
         if not items:
             return []
+        distinct, twin_of = distinct_items(items) if self.settings.dedupe else (list(items), None)
+        copies = [0] * len(distinct)  # how many of `items` each distinct item stands for
+        for j in twin_of if twin_of is not None else range(len(distinct)):
+            copies[j] += 1
         size = self.settings.batch_size if is_batched(self.settings.fmt) else 1
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        scored = await asyncio.gather(*(self._score_chunk(chunk) for chunk in chunks))
+        starts = range(0, len(distinct), size)
+        scored = await asyncio.gather(*(self._score_chunk(distinct[i : i + size], sum(copies[i : i + size])) for i in starts))
         results = [r for chunk in scored for r in chunk]
+        if twin_of is not None:
+            results = [results[j] for j in twin_of]
+            self.counts["samples_deduplicated"] += len(items) - len(distinct)
         self.counts["samples"] += len(results)
         for r in results:
             if r.failed:
@@ -278,7 +292,8 @@ class RemoteReward:
                 self.counts[f"samples_failed_{r.extra.get('reward_error', 'unscorable')}"] += 1
         return results
 
-    async def _score_chunk(self, items: Sequence[ScoreItem]) -> list[RewardResult]:
+    async def _score_chunk(self, items: Sequence[ScoreItem], samples: int) -> list[RewardResult]:
+        """Results for one request's `items`, which stand for `samples` of the batch (copies included)."""
         chunk = ChunkWait()
         waiting = False
         try:
@@ -289,21 +304,21 @@ class RemoteReward:
                     break
                 except RewardServerError as exc:
                     if self.outages.samples_at_fault(exc, chunk):
-                        log.warning("reward_request_failed", kind=exc.kind, url=exc.url, samples=len(items), error=str(exc))
+                        log.warning("reward_request_failed", kind=exc.kind, url=exc.url, samples=samples, error=str(exc))
                         return [RewardResult.failure(str(exc), reward_error=exc.kind) for _ in items]
                     if not waiting:
                         waiting = True
-                        self.outages.samples_waiting += len(items)
+                        self.outages.samples_waiting += samples
                     self.counts["holds"] += 1
                     self.outages.warn_waiting()
                     await asyncio.sleep(self._hold_delay(chunk.rounds))
         except Exception as exc:  # a bug here must still give every sample an answer
-            log.exception("reward_client_error", samples=len(items))
+            log.exception("reward_client_error", samples=samples)
             reason = f"reward client error: {type(exc).__name__}: {exc}"
             return [RewardResult.failure(reason, reward_error="internal") for _ in items]
         finally:
             if waiting:
-                self.outages.samples_waiting -= len(items)
+                self.outages.samples_waiting -= samples
         if len(results) != len(items):  # decode_reply guarantees this; keep the promise even if it broke
             reason = f"reward client got {len(results)} results for {len(items)} samples"
             return [RewardResult.failure(reason, reward_error="internal")] * len(items)
@@ -342,7 +357,7 @@ class RemoteReward:
         return results
 
     async def _attempt_any_url(
-        self, payload: bytes, items: Sequence[ScoreItem], last_url: list[str | None], chunk: _Chunk
+        self, payload: bytes, items: Sequence[ScoreItem], last_url: list[str | None], chunk: ChunkWait
     ) -> list[RewardResult]:
         """Send once, to the best URL whose circuit lets it through; raises `RewardServerError`."""
         opened = []
@@ -526,6 +541,29 @@ class RemoteReward:
         out["rm_connect_stalls"] = float(sum(lim.stalls for lim in self.limits.values()))
         out["rm_limit_decreases"] = float(sum(lim.decreases for lim in self.limits.values()))
         return out
+
+
+def distinct_items(items: Sequence[ScoreItem]) -> tuple[list[ScoreItem], list[int]]:
+    """The items that differ in what a server scores (prompt, response, label, metadata; not the id), in
+    first-seen order, and for each item the index of its twin among them. An item whose metadata cannot
+    be written as JSON with sorted keys is kept apart (never wrongly merged)."""
+    distinct: list[ScoreItem] = []
+    twin_of: list[int] = []
+    index: dict[tuple[Any, ...], int] = {}
+    for item in items:
+        try:
+            metadata = json.dumps(item.metadata, sort_keys=True, default=str) if item.metadata else ""
+        except (TypeError, ValueError):
+            metadata = None
+        key = (item.prompt, item.response, item.label, metadata)
+        j = index.get(key) if metadata is not None else None
+        if j is None:
+            j = len(distinct)
+            distinct.append(item)
+            if metadata is not None:
+                index[key] = j
+        twin_of.append(j)
+    return distinct, twin_of
 
 
 def _snippet(body: bytes) -> str:
