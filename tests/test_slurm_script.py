@@ -34,7 +34,7 @@ def render(cfg_overrides: dict | None = None, config: Path = DEMO, **options) ->
     layout = plan_layout(cfg, SlurmOptions(**options))
     paths = ScriptPaths(Path("/shared/work"), Path("/shared/work/runs/x"), Path("/shared/work/runs/x/config.yaml"), REPO / "bin")
     return render_script(layout, paths, job_name="vime-x", generated_by="vime slurm test", make_demo_model=cfg.make_demo_model,
-                         hf_checkpoint=str(cfg.hf_checkpoint))  # fmt: skip
+                         hf_checkpoint=str(cfg.hf_checkpoint), engine_args=cfg.vllm)  # fmt: skip
 
 
 def bash_accepts(script: str, tmp_path: Path) -> None:
@@ -81,6 +81,18 @@ def test_cpu_demo_over_two_nodes(tmp_path: Path) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" in script and "OMP_NUM_THREADS" in script
     assert '"$VIME_BIN/vime" make-demo-model --out runs/demo-model' in script
     assert "--gres" not in script and "NCCL_SOCKET_IFNAME" not in script
+
+
+def test_cpu_rollouts_keep_the_configs_kv_cache_size(tmp_path: Path) -> None:
+    """vLLM-CPU prefers VLLM_CPU_KVCACHE_SPACE over the engine arguments: set it only where they give no size."""
+    sized = srun_block(render(), "rollout")  # the demo config sets kv_cache_memory_bytes
+    assert "VLLM_CPU_KVCACHE_SPACE" not in render()
+    config = tmp_path / "demo-default-kv.yaml"
+    config.write_text("".join(line for line in DEMO.read_text().splitlines(keepends=True) if "kv_cache_memory_bytes" not in line))
+    unsized = render(config=config)
+    bash_accepts(unsized, tmp_path)
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}" in unsized
+    assert "vime_task rollout" in sized
 
 
 def test_qwen3_4b_on_four_trainer_and_four_rollout_gpus(tmp_path: Path) -> None:

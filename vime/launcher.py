@@ -23,6 +23,7 @@ from tqdm import tqdm
 from vime.config import VimeConfig
 from vime.logging import get_logger
 from vime.process import Child
+from vime.rollout.vllm_environment import cpu_rollout_environment
 from vime.supervisor import JobFailed, Supervisor
 
 log = get_logger(__name__)
@@ -58,12 +59,9 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
     for i in range(cfg.num_rollout_workers):
         env = dict(base)
         if cpu_only:
-            # vLLM-CPU: a small KV cache, and one thread per engine, not pinned: the engine runs its
-            # worker in process (vime.rollout.vllm_engine) and takes whichever core is free, as the
-            # trainer does. The binding only applies when a user picks vLLM's multiprocess executor.
-            if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & {key.replace("-", "_") for key in cfg.vllm}:
-                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM-CPU would prefer it over the config's size
-            env.setdefault("OMP_NUM_THREADS", "1")
+            for key, value in cpu_rollout_environment(cfg.vllm).items():
+                env.setdefault(key, value)
+            # Only used when a user picks vLLM's multiprocess executor.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(i % max(1, os.cpu_count() or 1)))
         children.append(Child(f"rollout-{i}", [py, "-m", "workers.main", "--role", "rollout", "--worker-id", f"rollout-{i}", *common], env, logs / f"rollout-{i}.log"))
     master_port = str(free_port())

@@ -36,7 +36,7 @@ from vime.rollout.base import (
     WeightUpdateResult,
     versions_from_spans,
 )
-from vime.rollout.vllm_environment import apply_vllm_environment
+from vime.rollout.vllm_environment import apply_vllm_environment, engine_arg_name
 from vime.rollout.vllm_owner_watch import arm as arm_owner_watch
 from vime.rollout.vllm_stats import OutputBarrier, StatHooks, silent_prometheus_logger, stat_logger_factory
 from vime.rollout.vllm_versions import VersionLedger, output_positions
@@ -99,7 +99,7 @@ def vllm_routing_trace(routed: Any, moe_layers: list[int], num_experts: int, num
 
 def normalize_engine_args(engine_args: dict[str, Any] | None) -> dict[str, Any]:
     """`--vllm-max-model-len` style keys to `max_model_len`; rejects the arguments vime owns."""
-    args = {str(k).replace("-", "_"): v for k, v in (engine_args or {}).items()}
+    args = {engine_arg_name(k): v for k, v in (engine_args or {}).items()}
     for key, value in FORCED_ENGINE_ARGS.items():
         if key in args and args[key] != value:
             raise ValueError(f"engine arg {key}={args[key]!r} conflicts with vime, which needs {key}={value!r}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from vime.logging import get_logger
 
@@ -40,6 +42,26 @@ def vllm_environment(*, on_cuda: bool, capture_routing: bool) -> dict[str, str]:
             wanted["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if capture_routing:
         wanted["VLLM_USE_V2_MODEL_RUNNER"] = "0" if v1_runner_captures_routed_experts() else "1"
+    return wanted
+
+
+# Engine arguments that size vLLM's KV cache; `VLLM_CPU_KVCACHE_SPACE` would win over them on the CPU.
+KV_CACHE_SIZE_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})
+
+
+def engine_arg_name(key: object) -> str:
+    """`max-model-len` (a `--vllm-*` flag's spelling) as vLLM's `max_model_len`."""
+    return str(key).replace("-", "_")
+
+
+def cpu_rollout_environment(engine_args: Mapping[str, Any]) -> dict[str, str]:
+    """Defaults for a vLLM-CPU rollout process, set by whoever starts it (`vime run`, the SLURM script):
+    one unpinned thread, as the engine runs its worker in process (`vime.rollout.vllm_cpu_executor`) and
+    takes whichever core is free; and a 1 GiB KV cache unless the engine arguments size it, since
+    vLLM-CPU prefers the variable over them."""
+    wanted = {"OMP_NUM_THREADS": "1"}
+    if not KV_CACHE_SIZE_ARGS & {engine_arg_name(key) for key in engine_args}:
+        wanted["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return wanted
 
 

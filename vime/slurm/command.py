@@ -102,7 +102,7 @@ def write_job(
     job_name = layout.options.job_name or "vime-" + re.sub(r"\s+", "-", run_dir.name)
     text = render_script(
         layout, paths, job_name=job_name, generated_by=generated_by,
-        make_demo_model=cfg.make_demo_model, hf_checkpoint=str(cfg.hf_checkpoint),
+        make_demo_model=cfg.make_demo_model, hf_checkpoint=str(cfg.hf_checkpoint), engine_args=cfg.vllm,
     )  # fmt: skip
     # sbatch does not create the directory of --output, and srun does not create the log directory.
     for directory in (paths.slurm_dir, paths.logs_dir):

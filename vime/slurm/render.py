@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
 from vime.config import ConfigError
+from vime.rollout.vllm_environment import cpu_rollout_environment
 from vime.slurm.layout import JobLayout
 
 TEMPLATE = "job.sbatch.j2"
@@ -86,6 +89,7 @@ def render_script(
     generated_by: str,
     make_demo_model: bool = False,
     hf_checkpoint: str = "",
+    engine_args: Mapping[str, Any] | None = None,
 ) -> str:
     """The sbatch script for `layout`.
 
@@ -111,6 +115,7 @@ def render_script(
         make_demo_model=make_demo_model,
         hf_checkpoint=hf_checkpoint,
         rollout_gpus_per_node=rollout_gpus,
+        cpu_rollout_env=cpu_rollout_environment(engine_args or {}),
     )
 
 
