@@ -14,10 +14,11 @@ demo's, microseconds of work; `gsm8k`, math-verify in a process pool) scores the
   same server with a backlog of 128, and the defaults without quick connect retries (`connect_retry_s=0`);
   with `rm_connect_stalls` (connections that took > 0.5 s to open, or were opened again after 0.2 s) and
   the CPU milliseconds per request of the client (this process) and of the server.
-Groups have 8 samples like the demo; half the answers are right. Each measurement is repeated
-`--repeats` times after one warm-up pass and the median rate is reported. Client, server and the
-math-verify workers share this machine's cores, so on a small machine the remote numbers include
-that contention.
+Groups have 8 samples like the demo; half the answers are right (one text), the others one of 8 near
+misses, so texts repeat and the client sends each text of a group once (`--rm-dedupe`; `req/pass` counts
+what it sent). Each measurement is repeated `--repeats` times after one warm-up pass and the median
+rate is reported. Client, server and the math-verify workers share this machine's cores, so on a small
+machine the remote numbers include that contention.
 
     python bench/reward_throughput.py                       # human readable
     python bench/reward_throughput.py --json                # one JSON object on stdout
