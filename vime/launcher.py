@@ -74,7 +74,14 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
     return children
 
 
+# Device nodes a process needs to reach a GPU (NVIDIA, AMD ROCm, WSL2's CUDA): with none of them, CUDA
+# cannot be available and the launcher need not load torch (~250 MiB, held for the whole job) to ask.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
 def _has_cuda() -> bool:
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return False
     try:
         import torch
 
