@@ -132,9 +132,9 @@ def test_cpu_rollout_children_get_one_thread_and_the_configs_kv_cache(
 
 def test_without_gpu_device_nodes_the_launcher_does_not_load_torch() -> None:
     """On a CPU machine `vime run` decides "no CUDA" from the missing device nodes, without holding torch."""
-    from vime.launcher import GPU_DEVICE_NODES
+    from vime.launcher import gpu_device_nodes
 
-    if any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+    if gpu_device_nodes():
         pytest.skip("this machine has GPU device nodes: the launcher asks torch")
     code = "import sys; from vime.launcher import _has_cuda; print(_has_cuda(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True, timeout=60)

@@ -9,6 +9,7 @@ finishes, or when the supervisor gives up on a child, naming it and showing the 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -76,11 +77,15 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
 
 # Device nodes a process needs to reach a GPU (NVIDIA, AMD ROCm, WSL2's CUDA): with none of them, CUDA
 # cannot be available and the launcher need not load torch (~250 MiB, held for the whole job) to ask.
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+GPU_DEVICE_NODES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_nodes() -> list[str]:
+    return [path for pattern in GPU_DEVICE_NODES for path in glob.glob(pattern)]
 
 
 def _has_cuda() -> bool:
-    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+    if not gpu_device_nodes():
         return False
     try:
         import torch
