@@ -451,6 +451,8 @@ class Chaos:
         return False
 
     def _fire_due(self, pending: list[Fault], now: float, steps: int) -> None:
+        if steps >= self.args.num_rollout:
+            return  # every step is trained: a kill now is no mid-job fault (the job may have finished)
         if pending and now >= self.busy_until and steps >= pending[0].at_step:
             fault = pending[0]
             if fault.due_at is None:

@@ -322,3 +322,41 @@ def test_broker_restarts_counts_every_restart_and_counters_survive_them(tmp_path
         job.crash(compact=True)
         assert job.state.counters["broker_restarts"] == restarts
         assert job.state.counters["groups_dispatched"] >= dispatched, "the counters went back to zero"
+
+
+def test_a_broker_killed_after_the_last_step_finishes_the_job_and_a_finished_job_starts_anew(tmp_path: Path) -> None:
+    """A journal that recorded every step but not the finish (the broker died while the job wound down)
+    resumes and finishes; one that recorded the finish is moved aside and a new job starts. Before, both
+    started a new job, which waited for a trainer that had already trained everything."""
+    from types import SimpleNamespace
+
+    from vime.broker.journal import JournalFinished, journal_file
+    from vime.broker.recovery import job_finished
+    from vime.protocol.messages import Shutdown
+    from workers.broker import open_journal
+
+    path = journal_file(tmp_path)
+    job = Journaled(path, batch=2, staleness=3, num_rollout=2)
+    _buffer_everything_dispatched(job.state)
+    for step in range(2):
+        out = job.state.request_batch(TRAINER, step, 2, 0, now=0.0) or job.state.try_fill_batch(now=0.0)
+        job.state.on_step_done(step, [g.group_id for g in out[0][1].groups])  # type: ignore[attr-defined]
+    assert job.state.finished
+    job.writer.close()
+    records, _ = read_journal(path)
+    assert job_finished(records) and steps_recorded(records) == 2
+    cfg = SimpleNamespace(run_dir=tmp_path, journal_fsync="never", journal_fsync_interval_s=1.0, num_rollout=2)
+
+    path.write_bytes(b"".join(encode_record(r) for r in records if not isinstance(r, JournalFinished)))
+    resumed = make_state(batch=2, staleness=3, num_rollout=2)
+    open_journal(cfg, resumed).close()  # type: ignore[arg-type]
+    assert resumed.training_done and not resumed.finished and resumed.counters["broker_restarts"] == 1
+    assert not list(tmp_path.glob("broker.journal.done-*"))
+    connect(resumed)
+    assert any(isinstance(msg, Shutdown) for _, msg in resumed.poll_evals()) and resumed.finished
+
+    path.write_bytes(b"".join(encode_record(r) for r in records))
+    fresh = make_state(batch=2, staleness=3, num_rollout=2)
+    open_journal(cfg, fresh).close()  # type: ignore[arg-type]
+    assert fresh.trained_steps == 0 and not fresh.training_done
+    assert len(list(tmp_path.glob("broker.journal.done-*"))) == 1

@@ -6,7 +6,7 @@ import signal
 import sys
 
 from vime.broker.journal import JournalWriter, journal_file, move_aside, read_journal
-from vime.broker.recovery import compacted, header_for, restore, steps_recorded
+from vime.broker.recovery import compacted, header_for, job_finished, restore, steps_recorded
 from vime.broker.server import BrokerServer
 from vime.broker.state import BrokerSettings, BrokerState
 from vime.config import VimeConfig, build_parser, parse_config
@@ -36,15 +36,16 @@ def build_state(cfg: VimeConfig) -> BrokerState:
 def open_journal(cfg: VimeConfig, state: BrokerState) -> JournalWriter:
     """Resume from the run dir's journal if it holds an unfinished job, else start a new one.
 
-    A journal of a finished job is moved aside (`broker.journal.done-<time>`), so running the same
-    command again starts a new job. Raises JournalError for a damaged journal or one written for a
+    A journal of a finished job (one that recorded its finish, not merely its last step: a broker killed
+    while the job wound down resumes and finishes it) is moved aside (`broker.journal.done-<time>`), so
+    running the same command again starts a new job. Raises JournalError for a damaged journal or one written for a
     different dataset or batch shape (the message says what differs)."""
     log = get_logger("vime.broker")
     path = journal_file(cfg.run_dir)
     writer_args = {"fsync": cfg.journal_fsync, "fsync_interval_s": cfg.journal_fsync_interval_s}
     if path.exists():
         records, intact = read_journal(path)
-        if records and steps_recorded(records) < cfg.num_rollout:
+        if records and (steps_recorded(records) < cfg.num_rollout or not job_finished(records)):
             restore(state, records)
             writer = JournalWriter(path, truncate_to=intact, **writer_args)  # type: ignore[arg-type]
             writer.rewrite(compacted(state))  # also drops a torn tail for good

@@ -118,6 +118,13 @@ class JournalPublished(JournalRecord, tag="j_published"):
     endpoint: str
 
 
+class JournalFinished(JournalRecord, tag="j_finished"):
+    """The job finished: every step trained, no eval outstanding, the workers told to shut down. A journal
+    without it was cut short, even after its last step (a kill while the job wound down), and resumes."""
+
+    trained_steps: int
+
+
 class JournalSnapshot(JournalRecord, tag="j_snapshot"):
     """Compaction: everything about finished groups, in one record (the live ones follow it)."""
 
@@ -135,7 +142,7 @@ class JournalSnapshot(JournalRecord, tag="j_snapshot"):
 
 JOURNAL_TYPES: tuple[type[JournalRecord], ...] = (
     JournalHeader, JournalAdmit, JournalBuffered, JournalDropped, JournalBatch, JournalStepDone,
-    JournalCheckpoint, JournalPublished, JournalSnapshot,
+    JournalCheckpoint, JournalPublished, JournalSnapshot, JournalFinished,
 )  # fmt: skip
 
 
@@ -294,5 +301,5 @@ def move_aside(path: Path, label: str) -> Path:
 __all__ = [
     "FsyncPolicy", "JournalError", "JournalRecord", "JournalHeader", "JournalAdmit", "JournalBuffered",
     "JournalDropped", "JournalBatch", "JournalStepDone", "JournalCheckpoint", "JournalPublished",
-    "JournalSnapshot", "JournalWriter", "read_journal", "encode_record", "journal_file", "move_aside",
+    "JournalSnapshot", "JournalFinished", "JournalWriter", "read_journal", "encode_record", "journal_file", "move_aside",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 
 from vime.broker.journal import (
     JOURNAL_FORMAT, JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalError,
-    JournalHeader, JournalPublished, JournalRecord, JournalSnapshot, JournalStepDone,
+    JournalFinished, JournalHeader, JournalPublished, JournalRecord, JournalSnapshot, JournalStepDone,
 )
 from vime.broker.state import BrokerState
 from vime.protocol.messages import Group
@@ -97,6 +97,7 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
             state.weight_endpoint = record.endpoint
         elif isinstance(record, JournalHeader):
             raise JournalError("journal: a second header record (two journals concatenated?)")
+        # JournalFinished: a finished job is never restored (workers/broker.py starts a new one).
     state.counters.update({k: v for k, v in counters.items() if k in state.counters})
     state.counters["groups_admitted"] = admitted
     state.counters["groups_trained"] = len(state.trained_in_step)
@@ -111,6 +112,11 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
     # The trainer that served the journal's endpoint may be gone with this broker: rollout workers that
     # join now would wait on a dead address. The trainer re-announces its endpoint when it says Hello.
     state.weight_endpoint = None
+
+
+def job_finished(records: list[JournalRecord]) -> bool:
+    """Whether the journal's job finished (not merely trained its last step before the broker died)."""
+    return any(isinstance(record, JournalFinished) for record in records)
 
 
 def steps_recorded(records: list[JournalRecord]) -> int:
@@ -183,6 +189,8 @@ def compacted(state: BrokerState) -> list[JournalRecord]:
         records.append(JournalBatch(step=step, group_ids=list(ids), policy_version=-1))
         if step < state.trained_steps and not any(g in state.training for g in ids):
             records.append(JournalStepDone(step=step, counters={}))
+    if state.finished:
+        records.append(JournalFinished(trained_steps=state.trained_steps))
     return records
 
 
@@ -192,4 +200,4 @@ def _in_play(state: BrokerState) -> set[str]:
     return state.admitted_ids - released - set(state.dropped)
 
 
-__all__ = ["restore", "compacted", "header_for", "job_fingerprint", "steps_recorded"]
+__all__ = ["restore", "compacted", "header_for", "job_finished", "job_fingerprint", "steps_recorded"]

@@ -68,8 +68,8 @@ import numpy as np
 from vime.data.prompts import PromptCursor
 from vime.eval import EvalSet, EvalTracker
 from vime.broker.journal import (
-    JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalPublished, JournalRecord,
-    JournalStepDone,
+    JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalFinished, JournalPublished,
+    JournalRecord, JournalStepDone,
 )
 from vime.filters import FilterDecision
 from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
@@ -786,6 +786,7 @@ class BrokerState:
         if self.eval_outbox or (self.evals is not None and self.evals.busy):
             return []
         self.finished = True
+        self._record(JournalFinished(trained_steps=self.trained_steps))
         return [(w.identity, Shutdown(reason="training finished")) for w in self.workers.values()]
 
     def on_weights_published(self, version: int, endpoint: str, step: int | None = None, now: float = 0.0) -> Outgoing:
