@@ -44,6 +44,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -59,6 +60,7 @@ if str(REPO) not in sys.path:
 from vime.process import Child, die_with_parent  # noqa: E402  (after the path set-up above)
 
 WORKER_KINDS = ("rollout", "reward")
+POLL_S = 0.05  # how often the harness looks at the job: well under a step of the fastest form
 
 # Presets: the CI form (fast: transformers engine, a random tiny model, a reward it learns in a few
 # steps) and the full form (the real demo: vLLM, the warm-started demo model, the arithmetic reward).
@@ -222,7 +224,7 @@ def events_in(text: str, event: str) -> list[dict[str, Any]]:
 class Fault:
     kind: str  # rollout | reward | broker | trainer
     at_step: int  # fire once this many steps are trained
-    delay_s: float  # ... plus this (random) delay
+    delay_steps: float  # ... plus this (random) fraction of a step's time: a random moment within a step
     restart_after_s: float
     new_worker_id: bool = False
     # filled in when it happens
@@ -247,31 +249,52 @@ class Fault:
         return self.fired_at_s is not None
 
 
+class StepClock:
+    """How long a training step takes lately, from the moments the harness saw the step count grow: the
+    median over the last few steps, so a stall (a restart) does not stretch the estimate."""
+
+    def __init__(self, window: int = 8, initial_s: float = 1.0) -> None:
+        self.window, self.initial_s = window, initial_s
+        self.last: tuple[int, float] | None = None
+        self.per_step_s: list[float] = []
+
+    def observe(self, steps: int, now: float) -> None:
+        if self.last is not None and steps > self.last[0]:
+            self.per_step_s = [*self.per_step_s, (now - self.last[1]) / (steps - self.last[0])][-self.window :]
+        if self.last is None or steps != self.last[0]:
+            self.last = (steps, now)
+
+    def step_s(self) -> float:
+        return statistics.median(self.per_step_s) if self.per_step_s else self.initial_s
+
+
 def plan_faults(args: argparse.Namespace, rng: random.Random) -> list[Fault]:
     """The seeded schedule: worker kills at random steps in [1, worker_kill_span * num_rollout] (late
     enough that the job is warm, early enough that restarted workers rejoin before the end), the broker kill(s)
-    near `--broker-kill-at` of the run, the trainer kill(s) near `--trainer-kill-at`."""
+    near `--broker-kill-at` of the run, the trainer kill(s) near `--trainer-kill-at`. Every position is
+    counted in training steps, never in seconds, so the same seed injects the same faults into a job
+    however fast this machine trains it."""
     last = max(1, args.num_rollout - 2)
     span = max(1, min(last, round(args.num_rollout * args.worker_kill_span)))
     faults = []
     for _ in range(args.worker_kills):
         faults.append(Fault(
-            kind=rng.choice(WORKER_KINDS), at_step=rng.randint(1, span), delay_s=rng.uniform(0.0, args.max_fault_delay),
+            kind=rng.choice(WORKER_KINDS), at_step=rng.randint(1, span), delay_steps=rng.uniform(0.0, args.max_fault_delay_steps),
             restart_after_s=rng.uniform(args.min_restart_delay, args.max_restart_delay), new_worker_id=rng.random() < 0.5,
         ))  # fmt: skip
     for i in range(args.broker_kills):
         step = min(last, max(1, round(args.num_rollout * args.broker_kill_at) + i * 2))
-        faults.append(Fault("broker", step, rng.uniform(0.0, args.max_fault_delay), args.broker_restart_delay))
+        faults.append(Fault("broker", step, rng.uniform(0.0, args.max_fault_delay_steps), args.broker_restart_delay))
     for i in range(args.trainer_kills):
         step = min(last, max(1, round(args.num_rollout * args.trainer_kill_at) + i * 2))
-        faults.append(Fault("trainer", step, rng.uniform(0.0, args.max_fault_delay), args.min_restart_delay))
+        faults.append(Fault("trainer", step, rng.uniform(0.0, args.max_fault_delay_steps), args.min_restart_delay))
     for i in range(args.job_kills):
         # Off the checkpoint steps: the resumed trainer must replay steps the job has trained since.
         step = min(last, max(1, round(args.num_rollout * args.job_kill_at) + i * 2))
         if args.save_interval and step % args.save_interval == 0:
             step = min(last, step + 1)
-        faults.append(Fault("job", step, rng.uniform(0.0, args.max_fault_delay), args.broker_restart_delay))
-    faults.sort(key=lambda f: (f.at_step, f.delay_s))
+        faults.append(Fault("job", step, rng.uniform(0.0, args.max_fault_delay_steps), args.broker_restart_delay))
+    faults.sort(key=lambda f: (f.at_step, f.delay_steps))
     return faults
 
 
@@ -335,7 +358,10 @@ class Chaos:
         self.trainer_exit: int | None = None
         self.end_s: float | None = None
         self.timed_out = False
-        self.busy_until = 0.0  # no new fault while a broker/trainer restart is in progress
+        # No new fault until this many steps are trained: set past a broker or trainer kill, so the
+        # restarted process has served training again before anything else is killed.
+        self.quiet_until_step = 0
+        self.step_clock = StepClock()
         # The slowest start-to-Hello of any incarnation per worker kind, measured in this run: how long
         # a restarted worker of that kind needs on this machine, under this load.
         self.join_latency_s: dict[str, float] = {}
@@ -355,7 +381,9 @@ class Chaos:
 
     def steps_done(self) -> int:
         steps = training_steps(read_jsonl(self.run_dir / "metrics.jsonl"))
-        return max(steps) + 1 if steps else 0
+        done = max(steps) + 1 if steps else 0
+        self.step_clock.observe(done, time.monotonic())
+        return done
 
     def broker_log_size(self) -> int:
         try:
@@ -417,7 +445,7 @@ class Chaos:
         deadline = self.t0 + self.args.timeout
         pending = list(self.faults)
         while True:
-            time.sleep(0.2)
+            time.sleep(POLL_S)
             now = time.monotonic()
             if now > deadline:
                 self.timed_out = True
@@ -453,10 +481,10 @@ class Chaos:
     def _fire_due(self, pending: list[Fault], now: float, steps: int) -> None:
         if steps >= self.args.num_rollout:
             return  # every step is trained: a kill now is no mid-job fault (the job may have finished)
-        if pending and now >= self.busy_until and steps >= pending[0].at_step:
+        if pending and steps >= max(pending[0].at_step, self.quiet_until_step) and not self._restart_pending():
             fault = pending[0]
-            if fault.due_at is None:
-                fault.due_at = now + fault.delay_s  # its step is reached: the random delay starts
+            if fault.due_at is None:  # its step is reached: a random moment within the step starts
+                fault.due_at = now + fault.delay_steps * self.step_clock.step_s()
             if now >= fault.due_at:
                 if self._fire(fault, now, steps):
                     pending.pop(0)
@@ -475,6 +503,16 @@ class Chaos:
             time.sleep(0.2)
         for p in self.procs:
             p.restart_at = None  # the job is over: nothing left to rejoin
+
+    def _restart_pending(self) -> bool:
+        """A killed broker or trainer the harness has not restarted yet."""
+        return any(p.restart_at is not None for p in self.procs if p.kind in ("broker", "trainer"))
+
+    def _quiet_after(self, steps: int) -> None:
+        """No other fault until `--settle-steps` more steps are trained: progress past the kill's step
+        needs the restarted broker or trainer back in the job (a resumed trainer replays the steps since
+        its checkpoint first)."""
+        self.quiet_until_step = steps + self.args.settle_steps
 
     def _fire(self, fault: Fault, now: float, steps: int) -> bool:
         if fault.kind in WORKER_KINDS:
@@ -507,7 +545,7 @@ class Chaos:
         worker_id = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else None
         fault.restarted_as = worker_id or victim.name
         if fault.kind in ("broker", "trainer"):
-            self.busy_until = now + fault.restart_after_s + self.args.settle_s
+            self._quiet_after(steps)
         self.say(
             f"SIGKILL {victim.name} (pid {fault.pid}) at step {steps}; restart in {fault.restart_after_s:.1f} s"
             + (f" as {worker_id}" if fault.kind in WORKER_KINDS else "")
@@ -533,7 +571,7 @@ class Chaos:
             victim.restart_argv = list(victim.argv)
         if "--load" not in trainer.argv:
             trainer.restart_argv = [*trainer.argv, "--load", "latest"]
-        self.busy_until = now + fault.restart_after_s + self.args.settle_s
+        self._quiet_after(steps)
         self.say(f"SIGKILL broker and trainer-0 at step {steps}; both restart in {fault.restart_after_s:.1f} s (trainer with --load latest)")
         fault.note = "restart pending"
         return True
@@ -681,6 +719,10 @@ class SupervisedChaos(Chaos):
     def processes(self) -> dict[str, dict[str, Any]]:
         return read_json(self.run_dir / "processes.json") or {}
 
+    def _restart_pending(self) -> bool:
+        """A killed broker or trainer rank the supervisor has not restarted yet."""
+        return any(name.split("-")[0] in ("broker", "trainer") for name in self.awaiting_restart)
+
     def _start_job(self) -> None:
         self.launcher.start()
         self.awaiting_join = {name: (0, time.monotonic()) for name in self._worker_names()}
@@ -741,7 +783,7 @@ class SupervisedChaos(Chaos):
         fault.log_offset = offset  # the victim's next incarnation logs after this
         fault.note = "restart pending"
         if fault.kind not in WORKER_KINDS:
-            self.busy_until = now + self.args.settle_s + 2 * self.cfg.restart_backoff_s
+            self._quiet_after(steps)
         self.say(f"SIGKILL {' and '.join(names)} (pid {fault.pid}) at step {steps}; the supervisor restarts it")
         return True
 
@@ -963,8 +1005,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rejoin-window-s", type=float, help="a worker restarted this close to the end need not rejoin (ci 15, full 150)")
     p.add_argument("--min-restart-delay", type=float, default=0.5)
     p.add_argument("--max-restart-delay", type=float, default=3.0)
-    p.add_argument("--max-fault-delay", type=float, default=1.0, help="random delay of a fault after its step is reached")
-    p.add_argument("--settle-s", type=float, default=2.0, help="no other fault this long after a broker/trainer restart")
+    p.add_argument("--max-fault-delay-steps", type=float, default=1.0,
+                   help="a fault fires a random delay after its step is reached, up to this many steps' time (the recent step time)")
+    p.add_argument("--settle-steps", type=int, default=2, help="no other fault until this many steps after a broker/trainer kill")
     p.add_argument("--reward-window", type=int, help="steps averaged at each end for the reward-rise check")
     p.add_argument("--min-reward-gain", type=float)
     p.add_argument("--timeout", type=float, help="watchdog: seconds until everything is torn down (ci 240, full 1200)")
