@@ -12,6 +12,7 @@ from vime.broker.state import BrokerSettings, BrokerState
 from vime.config import VimeConfig, build_parser, parse_config
 from vime.data.prompts import PromptCursor, load_eval_prompts, load_prompts
 from vime.eval import EvalSet
+from vime.data.tokenizer import load_tokenizer
 from vime.filters import build_group_filter
 from vime.logging import bind_process, configure_logging, get_logger
 from vime.security import Security
@@ -20,9 +21,7 @@ from vime.security import Security
 def build_state(cfg: VimeConfig) -> BrokerState:
     """Load and tokenize the prompts and eval sets, load the dynamic sampling filter (the broker never
     loads model weights, only the tokenizer). A bad dataset or filter spec fails here, at start-up."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(cfg.hf_checkpoint))
+    tokenizer = load_tokenizer(cfg.hf_checkpoint)
     prompts = load_prompts(cfg, tokenizer)
     eval_sets = []
     if cfg.eval_interval is not None:
