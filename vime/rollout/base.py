@@ -264,6 +264,7 @@ def build_engine(
     capture_routing: bool = False,
     partial_rollout: bool = True,
     sleep_mode: bool = False,
+    engine_core: str = "auto",
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -277,6 +278,7 @@ def build_engine(
     transformers engine always continues them under the new weights (it loads between two decode steps).
     `sleep_mode` (colocation): the engine must be able to `sleep`; vLLM then reserves its memory so
     that sleeping frees it (where the platform supports that; on CPU sleeping only stops the steps).
+    `engine_core` (vLLM): "process", "inline" or "auto", where its engine core runs (`VllmRolloutEngine`).
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -289,6 +291,7 @@ def build_engine(
         return VllmRolloutEngine(
             model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
             capture_routing=capture_routing, partial_rollout=partial_rollout, sleep_mode=sleep_mode,
+            engine_core=engine_core,  # type: ignore[arg-type]
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine

@@ -61,6 +61,10 @@ _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "le
 # Where per-token weight versions come from: vLLM's own stamps (0.32+), vime's ledger (any vLLM whose
 # front end it can read; the only choice on 0.26), or "auto": vLLM's when it has them.
 VersionSource = Literal["auto", "vllm", "vime"]
+# Where vLLM's engine core runs: its own process (vLLM's layout), stepped on this process's event loop
+# (`vllm_inline_core`), or "auto": inline for a one-worker engine on the CPU, where the process hop is
+# extra work on the same cores, in a process everywhere else.
+EngineCorePlacement = Literal["auto", "process", "inline"]
 R3_CPU_ERROR = (
     "--use-rollout-routing-replay with the vLLM engine needs CUDA: vLLM captures routed experts only in its "
     "GPU model runners. For R3 on CPU use --rollout-engine hf."
@@ -132,9 +136,14 @@ class VllmRolloutEngine(RolloutEngine):
         partial_rollout: bool = True,
         version_source: VersionSource = "auto",
         sleep_mode: bool = False,
+        engine_core: EngineCorePlacement = "auto",
     ) -> None:
         if version_source not in ("auto", "vllm", "vime"):
             raise ValueError(f"version_source must be auto, vllm or vime, got {version_source!r}")
+        if engine_core not in ("auto", "process", "inline"):
+            raise ValueError(f"engine_core must be auto, process or inline, got {engine_core!r}")
+        self._engine_core_wanted: EngineCorePlacement = engine_core
+        self.engine_core_placement: EngineCorePlacement | None = None  # resolved at start
         self._version_source_wanted: VersionSource = version_source
         self.version_source: VersionSource | None = None  # resolved at start
         self._native_versions = False  # this vLLM has update_weight_version / CompletionOutput.weight_versions
@@ -217,6 +226,12 @@ class VllmRolloutEngine(RolloutEngine):
             from vime.rollout.vllm_cpu_executor import CpuInCoreExecutor
 
             args["distributed_executor_backend"] = CpuInCoreExecutor
+        placement = self._engine_core_wanted
+        if placement == "auto":
+            placement = "inline" if current_platform.is_cpu() and _one_worker(args) else "process"
+        if placement == "inline" and not _one_worker(args):
+            raise ValueError("engine_core='inline' runs one worker; tensor, pipeline or data parallel engines need "
+                             "vLLM's processes (engine_core='process')")  # fmt: skip
         if self._sleep_mode and current_platform.is_sleep_mode_available():
             # vLLM's CuMem allocator, so that sleeping really frees the GPU memory (the CPU build has no
             # sleep mode: there sleeping only stops the scheduler).
@@ -236,7 +251,13 @@ class VllmRolloutEngine(RolloutEngine):
         stat_loggers = [stat_logger_factory(self._stats)]
         if args.get("disable_log_stats"):
             stat_loggers.append(silent_prometheus_logger())
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=stat_loggers)
+        if placement == "inline":
+            from vime.rollout.vllm_inline_core import inline_async_llm
+
+            self._llm = await asyncio.to_thread(inline_async_llm, engine_args, stat_loggers)
+        else:
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=stat_loggers)
+        self.engine_core_placement = placement
         self._choose_version_source()
         self._tokenizer = self._llm.tokenizer
         if self._capture_routing:
@@ -259,6 +280,7 @@ class VllmRolloutEngine(RolloutEngine):
             warmup_s=round(self.warmup_seconds or 0.0, 2),
             weight_version=self._version,
             version_source=self.version_source,
+            engine_core=self.engine_core_placement,
             engine_args=self._engine_args,
         )
 
