@@ -108,7 +108,8 @@ ENGINE_OWNER = textwrap.dedent("""
         args = {"dtype": "bfloat16", "max-model-len": 128, "enforce_eager": True}
         if torch.cuda.is_available():
             args["gpu_memory_utilization"] = 0.2
-        engine = VllmRolloutEngine(sys.argv[1], engine_args=args)
+        # The engine core in its own process, as on a GPU (on the CPU it would run inline: no process).
+        engine = VllmRolloutEngine(sys.argv[1], engine_args=args, engine_core="process")
         await engine.start()
         open(sys.argv[2], "w").write(" ".join(map(str, descendants(os.getpid()))))
         await asyncio.sleep(300)

@@ -1,7 +1,7 @@
 """The vLLM rollout engine: `AsyncLLM`, token in / token out, with in-flight versioned weight updates.
 
-This process runs vLLM's front end on the caller's asyncio loop; vLLM spawns the engine core and its
-workers. Weights reach the workers straight from the trainer's publisher (`VimeWorkerExtension`); the
+This process runs vLLM's front end on the caller's asyncio loop; the engine core runs in a process of
+vLLM's, or, for a one-worker engine on the CPU, inline on the same loop (`vllm_inline_core`). Weights reach the workers straight from the trainer's publisher (`VimeWorkerExtension`); the
 front end passes only an endpoint and a version. An update fetches in the background while generation
 goes on, then pauses vLLM with every request and its KV cache kept, loads, marks the new version and
 resumes; with `partial_rollout=False` it lets the requests in flight finish first instead.
