@@ -111,6 +111,60 @@ def test_vime_status_reports_an_unreachable_broker(capsys: pytest.CaptureFixture
     assert "tcp://127.0.0.1:1" in err and ("did not answer" in err or "not reachable" in err)
 
 
+def test_a_broker_killed_during_a_workers_handshake_is_not_a_refusal() -> None:
+    """CI, chaos: a reward worker restarted just before the broker was killed exited 1. The broker
+    died during the worker's handshake; libzmq reports that to the client as the same hang-up a
+    refused key gives, and `hello` took it as a refusal. A restarted broker must find the worker
+    still saying Hello: here a listener hangs up on the first connection and goes away, then a real
+    broker comes up on the same port."""
+    import asyncio
+    import socket
+
+    from vime.broker.client import BrokerClient
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    prompts = [Prompt(i, "1+1=", np.array([1, 2], dtype=np.int32), "2") for i in range(4)]
+    settings = BrokerSettings(2, 2, 0, 1, 10, 30.0, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
+    servers: list[BrokerServer] = []
+
+    def die_during_the_handshake_then_restart() -> None:
+        connection, _ = listener.accept()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        connection.close()  # a reset before the greeting: the broker is gone mid-handshake
+        listener.close()
+        time.sleep(1.5)  # long enough for the worker to have checked for a refusal several times
+        server = BrokerServer(BrokerState(settings, PromptCursor(prompts, shuffle=False, seed=0)), endpoint)
+        servers.append(server)
+        server.serve()
+
+    broker_thread = threading.Thread(target=die_during_the_handshake_then_restart, daemon=True)
+    broker_thread.start()
+    worker = BrokerClient(endpoint, "reward", "reward-0")
+
+    async def join() -> str:
+        try:
+            job = await worker.hello(timeout_s=20.0)
+            return f"welcome {job is not None} after {worker.guard.watch.failures} failed handshake(s)"  # type: ignore[union-attr]
+        finally:
+            worker.close()
+
+    try:
+        outcome = asyncio.run(join())
+    finally:
+        deadline = time.monotonic() + 10
+        while not servers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for server in servers:
+            server.stop()
+        broker_thread.join(timeout=10)
+    assert outcome == "welcome True after 1 failed handshake(s)"
+
+
 class LogRecorder:
     """Stands in for the server module's structlog logger; keeps (level, event, fields)."""
 

@@ -21,6 +21,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,9 @@ def test_a_forged_secret_for_an_allowed_public_key_is_refused_and_logged_without
         sock.send_multipart(encode(Hello(role="rollout", worker_id="forger")))
         assert not sock.poll(1000), "a client with a forged secret key received something"
         failed = security_log.wait_for("zmq_handshake_failed", socket="broker", side="server")
+        deadline = time.monotonic() + 10  # a refusal repeats on every reconnect: a few hang-ups make it one
+        while watch.rejection is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         client_reason = watch.rejection
     for reason in (failed["reason"], client_reason):
         assert reason is not None

@@ -62,6 +62,11 @@ ENV_ALLOW_INSECURE = "VIME_ALLOW_INSECURE"
 # Handshake failures of one kind are logged at most this often: a misconfigured peer retries about
 # ten times a second, and a flood of bad connections must not become a flood of log lines.
 LOG_EVERY_S = 10.0
+# A client sees a server that refuses its key hang up during the handshake (NO_DETAIL), and the same
+# event when the server is killed while a handshake is under way. A refusal repeats on every
+# reconnect (~10 a second); a server's death happens once, after which connects are refused without a
+# handshake. So a hang-up is taken as a refusal only after this many in a row.
+HANGUPS_TO_REFUSE = 3
 
 
 class SecurityError(RuntimeError):
@@ -361,8 +366,10 @@ class HandshakeWatch:
     Failed handshakes are logged (the first of each kind at once, then at most one line per
     `LOG_EVERY_S` with a count); servers also log disconnects, which is how a message over MAXMSGSIZE
     shows up (libzmq drops the connection before reading it). `rejection` holds the last failure
-    until a handshake succeeds. The thread ends when the socket closes (EVENT_MONITOR_STOPPED) or its
-    context is terminated; it never raises.
+    until a handshake succeeds; on a client, a server hanging up mid-handshake counts only once it
+    happens `HANGUPS_TO_REFUSE` times in a row (one hang-up may be a server that was killed). The
+    thread ends when the socket closes (EVENT_MONITOR_STOPPED) or its context is terminated; it never
+    raises.
     """
 
     def __init__(self, sock: zmq.Socket, *, name: str, side: str) -> None:  # type: ignore[type-arg]
@@ -370,7 +377,11 @@ class HandshakeWatch:
         self.side = side
         self.rejection: str | None = None
         self.failures = 0
-        self.disconnects = 0  # connections this socket lost (peer closed, died, or stopped answering)
+        self.hangups = 0  # client side: handshakes the server hung up on since the last success
+        # Connections this socket lost (peer closed, died, or stopped answering); on a client, only
+        # connections whose handshake had succeeded.
+        self.disconnects = 0
+        self._established = False
         self._last_logged: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         address = f"inproc://vime-handshake-watch-{id(self)}"
@@ -401,15 +412,26 @@ class HandshakeWatch:
     def _on_event(self, event: int, value: int, endpoint: str) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.rejection = None
+            self.hangups = 0
+            self._established = True
             return
         if event == zmq.EVENT_DISCONNECTED:
+            if self.side == "client":
+                if not self._established:
+                    return  # a handshake that failed, counted above: no connection was lost
+                self._established = False
             self.disconnects += 1
             if self.side == "server":
                 self._log("zmq_peer_disconnected", "info", endpoint=endpoint)
             return
         self.failures += 1
-        self.rejection = describe_handshake_failure(event, value, side=self.side)
-        self._log("zmq_handshake_failed", "warning", endpoint=endpoint, reason=self.rejection)
+        reason = describe_handshake_failure(event, value, side=self.side)
+        self._log("zmq_handshake_failed", "warning", endpoint=endpoint, reason=reason)
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client":
+            self.hangups += 1
+            if self.hangups < HANGUPS_TO_REFUSE:
+                return
+        self.rejection = reason
 
     def _log(self, kind: str, level: str, **fields: Any) -> None:
         key = f"{kind}:{fields.get('reason', '')}"
