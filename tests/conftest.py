@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -33,3 +38,22 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vime.demo.model_factory import make_demo_model
 
     return make_demo_model(shared_demo_model_dir(tmp_path_factory, 0), seed=0)
+
+
+def load_bench(name: str) -> ModuleType:
+    """`bench/NAME.py` as a module (bench/ is scripts, not a package), registered in sys.modules first
+    because dataclasses look their module up while a class is created."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for a module's tests, for engines that live as long as the module."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +10,9 @@ import pytest
 from vime.protocol.messages import Group, GroupsGenerated
 from workers.rollout import to_sample
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "length_bias.py"
-_spec = importlib.util.spec_from_file_location("length_bias", _PATH)
-assert _spec is not None and _spec.loader is not None
-lb = importlib.util.module_from_spec(_spec)
-sys.modules["length_bias"] = lb  # dataclasses look their module up while the class is created
-_spec.loader.exec_module(lb)
+from conftest import load_bench
+
+lb = load_bench("length_bias")
 
 SMALL = lb.SimConfig(steps=25, batch=8, n_samples=4, workers=2, concurrency=6, num_prompts=2000)
 

@@ -4,18 +4,13 @@ schedule in seconds let a fast job finish before its later faults fired)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
-_spec = importlib.util.spec_from_file_location("chaos_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-chaos = importlib.util.module_from_spec(_spec)
-sys.modules["chaos_bench"] = chaos  # dataclasses look their module up while the class is created
-_spec.loader.exec_module(chaos)
+from conftest import load_bench
+
+chaos = load_bench("chaos")
 
 
 class RecordingChaos(chaos.Chaos):

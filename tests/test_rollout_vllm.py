@@ -94,13 +94,6 @@ def assert_bf16_close(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_qwen3(tmp_path_factory.mktemp("vllm_tiny") / "m", seed=0, max_position_embeddings=MAX_LEN))
 

@@ -3,10 +3,8 @@ training-FLOPs formula (vime.bench.flops) it and the Megatron GPU check use."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +13,9 @@ import yaml
 
 from vime.bench.flops import H200_BF16_PEAK_FLOPS, attention_seq_len, matmul_params, training_flops_per_token
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "step_breakdown.py"
-_spec = importlib.util.spec_from_file_location("step_breakdown", _PATH)
-assert _spec is not None and _spec.loader is not None
-sb = importlib.util.module_from_spec(_spec)
-sys.modules["step_breakdown"] = sb
-_spec.loader.exec_module(sb)
+from conftest import load_bench
+
+sb = load_bench("step_breakdown")
 
 # hidden 8, 2 layers, 2 query heads / 1 KV head of 4, MLP 16, vocabulary 10. Per layer: q 8*8 + k 8*4 +
 # v 8*4 + o 8*8 = 192 attention, 3*8*16 = 384 MLP; 2 * 576 + LM head 10*8 = 1232 matmul parameters.

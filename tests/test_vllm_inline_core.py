@@ -39,13 +39,6 @@ SAMPLING = SamplingConfig(temperature=1.0, max_tokens=24, seed=7, ignore_eos=Tru
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_qwen3(tmp_path_factory.mktemp("inline_tiny") / "m", seed=0, max_position_embeddings=256))
 
