@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import logging
 import os
 import secrets
-import socket
 import sys
 import time
 from collections import Counter
@@ -44,6 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from starlette.exceptions import HTTPException
 
+from vime.http_server import serve as http_serve
 from vime.logging import configure_logging, get_logger
 from vime.rewards import KNOWN_RM_TYPES, ArithmeticReward, RewardFn, RewardResult
 from vime.rewards.custom import CustomReward, load_custom_reward
@@ -244,13 +243,6 @@ async def _warm(verifier: MathVerifier) -> None:
 # ----------------------------------------------------------------------------------- command line
 
 
-class _ToStructlog(logging.Handler):
-    """uvicorn logs through stdlib logging; forward its records so every line is a structlog event."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        get_logger(record.name).log(record.levelno, record.getMessage())
-
-
 def _parse_custom(specs: Sequence[str]) -> dict[str, str]:
     custom: dict[str, str] = {}
     for spec in specs:
@@ -313,26 +305,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(app: FastAPI, settings: ServerSettings) -> None:
     """Bind, log the real port (so `--port 0` is usable), and run uvicorn until it is stopped."""
-    import uvicorn
-
-    for name in ("uvicorn", "uvicorn.error"):
-        logger = logging.getLogger(name)
-        logger.handlers = [_ToStructlog()]
-        logger.propagate = False
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_config=None, access_log=False, loop="uvloop", http="httptools", lifespan="on",
-        timeout_keep_alive=30, timeout_graceful_shutdown=5,
+    http_serve(
+        app, settings.host, settings.port, listening_event="reward_server_listening", auth=settings.token is not None,
+        rewards=sorted([*BUILTIN_REWARDS, *settings.custom]),
     )  # fmt: skip
-    server = uvicorn.Server(config)
-    log.info(
-        "reward_server_listening", host=settings.host, port=port, url=f"http://{settings.host}:{port}",
-        auth=settings.token is not None, rewards=sorted([*BUILTIN_REWARDS, *settings.custom]),
-    )  # fmt: skip
-    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":
