@@ -157,6 +157,27 @@ class VimeConfig(BaseModel):
         "CUDA IPC instead of fetching chunks (auto: on with --colocate)",
     )  # fmt: skip
 
+    # --- agentic rollouts (slime's flag; docs/agentic.md) ------------------------------------------
+    custom_generate_function_path: str | None = Field(
+        None, description="path/to/file.py:fn or module:fn generating one sample, slime's generate(args, sample, "
+        "sampling_params); replaces plain sampling on the rollout workers",
+    )  # fmt: skip
+    environment_path: str | None = Field(
+        None, description="path/to/file.py:fn or module:fn building one trajectory's environment (async reset/step); "
+        "alone it selects the built-in multi-turn loop vime.agent.multiturn:generate",
+    )  # fmt: skip
+    max_turns: int = Field(8, ge=1, description="model turns per multi-turn trajectory")
+    rollout_max_context_len: int | None = Field(
+        None, ge=1, description="token budget of a whole trajectory (prompt and every turn); default: the engine's"
+    )
+    tool: list[str] = Field(
+        default_factory=list, description="NAME=path/to/file.py:fn [NAME=module:fn ...]: in-process tools environments call",
+        json_schema_extra={"nargs": "+"},
+    )  # fmt: skip
+    tool_server_url: str | None = Field(None, description="a tool server (vime-tool-server) for tools not given by --tool")
+    tool_timeout_s: float = Field(30.0, gt=0.0, description="timeout of one remote tool call")
+    tool_retries: int = Field(2, ge=0, description="retries of a remote tool call that got no answer (backoff + jitter)")
+
     # --- dynamic sampling and evaluation (slime's flags; docs: README "Dynamic sampling and eval") -
     over_sampling_batch_size: int | None = Field(
         None, ge=1, description="prompts dispatched per step when a dynamic sampling filter drops groups "

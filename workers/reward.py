@@ -24,7 +24,7 @@ from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
 from vime.logging import get_logger
 from vime.metrics import BusyTimer
-from vime.protocol.messages import Ack, Credit, Group, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, ScoreGroups, Shutdown
+from vime.protocol.messages import Ack, Credit, Group, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, Sample, ScoreGroups, Shutdown
 from vime.rewards import RewardFn, RewardResult, build_reward_fn
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings
 from vime.rewards.wire import ScoreItem
@@ -68,24 +68,39 @@ def build_scorer(cfg: VimeConfig) -> Scorer:
 
 
 def items_of(groups: Sequence[Group]) -> list[ScoreItem]:
-    """Every sample of `groups`, in order; ids are `group_id/sample_index` (unique within a message)."""
+    """Every sample of `groups` the scorer must judge, in order; ids are `group_id/sample_index` (unique
+    within a message). Samples that arrive judged are left out (`settled`)."""
     return [
         ScoreItem(f"{g.group_id}/{s.index}", g.prompt_text, s.response_text, g.label, g.metadata)
         for g in groups
         for s in g.samples
+        if settled(s) is None
     ]
 
 
+def settled(sample: Sample) -> RewardResult | None:
+    """The result of a sample that needs no scorer: one that failed during its rollout (a generate
+    function or environment error, with its reason), or one its environment already rewarded."""
+    if sample.status == "failed":
+        return RewardResult.failure(sample.failure_reason or "failed during rollout")
+    if sample.reward is not None:
+        return RewardResult(reward=float(sample.reward), extra=dict(sample.reward_extra))
+    return None
+
+
 async def score_groups(scorer: Scorer, groups: Sequence[Group]) -> list[GroupScores]:
-    """Scores for `groups`; if the scorer breaks its promise (raises, wrong count) every sample fails."""
+    """Scores for `groups`; if the scorer breaks its promise (raises, wrong count) every sample it was
+    given fails."""
     items = items_of(groups)
     try:
-        results = await scorer.score_batch(items)
-        if len(results) != len(items):
-            raise RuntimeError(f"scorer returned {len(results)} results for {len(items)} samples")
+        scored = await scorer.score_batch(items) if items else []
+        if len(scored) != len(items):
+            raise RuntimeError(f"scorer returned {len(scored)} results for {len(items)} samples")
     except Exception as exc:
         log.exception("scorer_error", samples=len(items))
-        results = [RewardResult.failure(f"reward scorer error: {type(exc).__name__}: {exc}")] * len(items)
+        scored = [RewardResult.failure(f"reward scorer error: {type(exc).__name__}: {exc}")] * len(items)
+    from_scorer = iter(scored)
+    results = [settled(s) or next(from_scorer) for g in groups for s in g.samples]
     out, i = [], 0
     for group in groups:
         mine = results[i : i + len(group.samples)]

@@ -23,6 +23,8 @@ import asyncio
 import os
 import time
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from vime.broker.client import BrokerClient
@@ -45,6 +47,9 @@ from vime.colocate import ColocateClient
 from vime.rollout import GeneratedSample, SamplingConfig, WeightFetchFailed, WeightUpdateResult, build_engine
 from vime.security import Security
 
+if TYPE_CHECKING:
+    from vime.agent.rollout import AgentRollout
+
 log = get_logger("vime.worker.rollout")
 
 # A failed weight update (the fetcher gave up after its timeout) is retried this much later, for the
@@ -54,6 +59,18 @@ MAX_UPDATE_FAILURES = 3
 # Weight updates stay held this long after the last eval group on its run's version finished, so the
 # run's next groups (one credit -> dispatch round trip away) still find the weights they measure.
 EVAL_HOLD_GRACE_S = 0.25
+# A failing generate function logs its full traceback at most this often (a short line otherwise).
+FAILURE_LOG_EVERY_S = 10.0
+
+
+def failed_sample(index: int, reason: str) -> Sample:
+    """A sample of a group whose generation failed: no tokens, status failed, the reason kept."""
+    empty_int = np.zeros(0, dtype=np.int32)
+    return Sample(
+        index=index, response_tokens=empty_int, rollout_logprobs=np.zeros(0, dtype=np.float32),
+        loss_mask=np.zeros(0, dtype=np.uint8), token_versions=empty_int.copy(), finish_reason="abort",
+        status="failed", failure_reason=reason,
+    )  # fmt: skip
 
 
 def to_sample(index: int, generated: GeneratedSample) -> Sample:
@@ -73,7 +90,7 @@ def to_sample(index: int, generated: GeneratedSample) -> Sample:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: VimeConfig, engine, client: BrokerClient) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, cfg: VimeConfig, engine, client: BrokerClient, agent: AgentRollout | None = None) -> None:  # type: ignore[no-untyped-def]
         self.cfg = cfg
         self.engine = engine
         self.client = client
@@ -85,8 +102,10 @@ class RolloutWorker:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stats = {
             "busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "fetch_s": 0.0, "load_s": 0.0, "paused_s": 0.0,
-            "update_bytes": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0,
+            "update_bytes": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0, "groups_failed_in_rollout": 0.0,
         }  # fmt: skip
+        self.agent = agent
+        self._last_failure_log = float("-inf")
         self.sampling: SamplingConfig | None = None
         self.eval_sampling: SamplingConfig | None = None
         self.eval_pins = 0  # eval groups generating on their run's version: weight updates wait
@@ -256,16 +275,49 @@ class RolloutWorker:
             self._pin(+1)
         self.busy.begin()
         try:
-            generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=sampling)
+            if self.agent is None:
+                generated = await self.engine.generate(group.prompt_tokens.tolist(), n=group.n_samples, sampling=sampling)
+                group.samples = [to_sample(i, g) for i, g in enumerate(generated)]
+            else:
+                group.samples = await self._generate_with_agent(group, sampling)
         finally:
             self.busy.end()
             if pinned:
                 self._pin(-1)
-        group.samples = [to_sample(i, g) for i, g in enumerate(generated)]
         self.stats["tokens"] += sum(len(s.response_tokens) for s in group.samples)
         self.stats["eval_groups" if is_eval else "groups"] += 1
         await self.client.send(GroupsGenerated(groups=[group]))
         await self.client.send(Credit(n=1))
+
+    async def _generate_with_agent(self, group: Group, sampling: SamplingConfig) -> list[Sample]:
+        """The group's samples from the custom generate function; a failure in user code fails the group
+        (its samples are sent failed, with the traceback as the reason) and never the worker."""
+        assert self.agent is not None
+        outcome = await self.agent.generate_group(
+            self.engine, prompt_text=group.prompt_text, prompt_tokens=group.prompt_tokens.tolist(), label=group.label,
+            metadata=dict(group.metadata), n_samples=group.n_samples, sampling=sampling,
+        )  # fmt: skip
+        if outcome.failure is not None:
+            self.stats["groups_failed_in_rollout"] += 1
+            self._log_generate_failure(group.group_id, outcome.failure)
+            return [failed_sample(i, outcome.failure) for i in range(group.n_samples)]
+        samples = []
+        for i, (generated, reward, stats) in enumerate(zip(outcome.samples, outcome.rewards, outcome.stats)):
+            sample = to_sample(i, generated)
+            sample.reward = reward
+            sample.rollout_stats = stats
+            samples.append(sample)
+        return samples
+
+    def _log_generate_failure(self, group_id: str, reason: str) -> None:
+        """The full traceback once per `FAILURE_LOG_EVERY_S`, its last line otherwise."""
+        now = time.monotonic()
+        last_line = reason.strip().splitlines()[-1] if reason.strip() else reason
+        if now - self._last_failure_log >= FAILURE_LOG_EVERY_S:
+            self._last_failure_log = now
+            log.error("generate_function_failed", group=group_id, error=last_line, traceback=reason)
+        else:
+            log.warning("generate_function_failed", group=group_id, error=last_line)
 
     def _pin(self, delta: int) -> None:
         self.eval_pins += delta
@@ -302,9 +354,16 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout, sleep_mode=cfg.colocate,
         engine_core=cfg.rollout_engine_core,
     )  # fmt: skip
+    agent = None
+    if cfg.custom_generate_function_path or cfg.environment_path:
+        from vime.agent.rollout import AgentRollout  # aiohttp and the user's code: only where asked for
+
+        agent = AgentRollout.from_config(cfg)  # a bad spec fails here, before the engine starts
     await engine.start()
     try:
         client = BrokerClient(cfg.broker_address, "rollout", worker_id, security=security)
-        return await client.run_session(RolloutWorker(cfg, engine, client).run())
+        return await client.run_session(RolloutWorker(cfg, engine, client, agent).run())
     finally:
+        if agent is not None:
+            await agent.aclose()
         await engine.shutdown()

@@ -36,7 +36,7 @@ from vime.colocate import ColocateServer
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.protocol.messages import (
-    Ack, BatchRequest, CheckpointSaved, EvalResult, Group, Heartbeat, HeartbeatAck, Message, Shutdown, StepDone,
+    Ack, BatchRequest, CheckpointSaved, EvalResult, Group, Heartbeat, HeartbeatAck, Message, Sample, Shutdown, StepDone,
     TrainBatch, WeightsPublished,
 )
 from vime.security import Security
@@ -158,7 +158,21 @@ def rollout_metrics(groups: list[Group], stats: dict[str, float]) -> dict[str, f
         "perf/reward_busy_s_total": stats.get("reward_busy_s", 0.0),
         # What the broker measured itself (dynamic sampling counts, ...) arrives already named.
         **{k: float(v) for k, v in stats.items() if k.startswith("rollout/")},
+        **multi_turn_metrics(samples),
     }
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Means per trajectory of the counters multi-turn rollouts carry (`rollout/turns`,
+    `rollout/tool_calls`, `rollout/tool_errors`, `rollout/env_s`, `rollout/masked_tokens`, ...), and
+    the share of response tokens that were masked out; nothing for plain sampling."""
+    keys = sorted({k for s in samples for k in s.rollout_stats})
+    if not keys:
+        return {}
+    out = {f"rollout/{k}": float(np.mean([s.rollout_stats.get(k, 0.0) for s in samples])) for k in keys}
+    tokens = sum(len(s.loss_mask) for s in samples)
+    out["rollout/masked_token_ratio"] = float(sum(int((s.loss_mask == 0).sum()) for s in samples) / max(tokens, 1))
+    return out
 
 
 def _command(cmd: int, step: int) -> None:

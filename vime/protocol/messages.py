@@ -48,6 +48,8 @@ class Sample(Message, tag="sample"):
     # R3 routing trace [tokens - 1, moe_layers, top_k], uint8/uint16; None for dense models.
     routed_experts: np.ndarray | None = None
     num_experts: int | None = None
+    # Counters of a multi-turn rollout (turns, tool_calls, tool_errors, env_s, masked_tokens, ...).
+    rollout_stats: dict[str, float] = {}
 
     def validate(self) -> None:
         n = _length_of(self.response_tokens, "int32", "response_tokens")
