@@ -185,8 +185,9 @@ def run_job(
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.make_demo_model:
         from vime.demo.model_factory import make_demo_model
+        from vime.demo.tasks import DEMO_TASK_RECIPES, demo_task_of
 
-        make_demo_model(cfg.hf_checkpoint, seed=0)
+        make_demo_model(cfg.hf_checkpoint, seed=0, **DEMO_TASK_RECIPES[demo_task_of(cfg.prompt_data)])
     if not Path(cfg.hf_checkpoint).exists():
         raise FileNotFoundError(f"--hf-checkpoint {cfg.hf_checkpoint} does not exist (pass --make-demo-model for the demo)")
     config_path = cfg.run_dir / "config.yaml"

@@ -83,8 +83,12 @@ def _source_rows(source: str, demo_n: int, demo_seed: int) -> list[dict[str, Any
         from vime.demo.arithmetic import make_prompts
 
         return make_prompts(demo_n, seed=demo_seed)
+    if source == "demo:running_sum":
+        from vime.demo import running_sum
+
+        return running_sum.make_prompts(demo_n, seed=demo_seed)
     if source.startswith("demo:"):
-        raise ConfigError(f"unknown demo dataset {source!r}; known: demo:arithmetic")
+        raise ConfigError(f"unknown demo dataset {source!r}; known: demo:arithmetic, demo:running_sum")
     return read_rows(Path(source))
 
 

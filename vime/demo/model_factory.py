@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vime.demo import arithmetic
+from vime.demo import arithmetic, running_sum
+from vime.demo.tasks import DEMO_TASK_RECIPES
 from vime.demo.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -85,6 +86,9 @@ class DemoRecipe:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     max_position_embeddings: int = 256
     digits: int = 3
+    # "arithmetic": one sum per prompt (the CPU demo); "running_sum": a sum, then a running total over
+    # a second turn (the multi-turn demo, `vime.demo.running_sum`).
+    task: str = "arithmetic"
     warmup_steps: int = 800  # steps per attempt; training usually stops far earlier, at target_accuracy
     # A fresh init (seed + ATTEMPT_SEED_STRIDE * attempt) when an attempt runs out of steps: a few runs
     # plateau for a long while (one answer digit near chance) before taking off, and how many depends
@@ -283,20 +287,31 @@ def _encode(text: str) -> list[int]:
     return [table[c] for c in text]
 
 
-def _training_batch(rng: random.Random, batch_size: int, digits: int) -> tuple[Any, Any]:
-    """(input_ids, loss_mask) for `prompt answer <eos>` sequences, right-padded.
+def _segments(rng: random.Random, digits: int, task: str) -> list[tuple[list[int], int]]:
+    """One training transcript as (tokens, trained) segments: prompts and environment text are not
+    trained (their digits are random, so predicting them is noise), answers and EOS are."""
+    if task == "running_sum":
+        a, b, c = running_sum.make_problem(rng, digits)
+        return [
+            (_encode(f"{a}+{b}="), 0), (_encode(str(a + b)) + [EOS_ID], 1),
+            (_encode(running_sum.observation(c)), 0), (_encode(str(a + b + c)) + [EOS_ID], 1),
+        ]  # fmt: skip
+    if task != "arithmetic":
+        raise ValueError(f"unknown demo task {task!r}; known: arithmetic, running_sum")
+    a, b = arithmetic.make_problem(rng, digits)
+    return [(_encode(arithmetic.format_prompt(a, b)), 0), (_encode(str(a + b)) + [EOS_ID], 1)]
 
-    The loss covers the answer and EOS only: prompt digits are random, so predicting them is noise.
-    """
+
+def _training_batch(rng: random.Random, batch_size: int, digits: int, task: str = "arithmetic") -> tuple[Any, Any]:
+    """(input_ids, loss_mask) of `batch_size` transcripts of `task`, right-padded; the loss covers the
+    answers and their EOS only."""
     import torch
 
     seqs, masks = [], []
     for _ in range(batch_size):
-        a, b = arithmetic.make_problem(rng, digits)
-        prompt = _encode(arithmetic.format_prompt(a, b))
-        answer = _encode(str(a + b)) + [EOS_ID]
-        seqs.append(prompt + answer)
-        masks.append([0] * len(prompt) + [1] * len(answer))
+        segments = _segments(rng, digits, task)
+        seqs.append([t for tokens, _ in segments for t in tokens])
+        masks.append([trained for tokens, trained in segments for _ in tokens])
     width = max(len(s) for s in seqs)
     ids = torch.full((batch_size, width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((batch_size, width), dtype=torch.float32)
@@ -307,7 +322,8 @@ def _training_batch(rng: random.Random, batch_size: int, digits: int) -> tuple[A
 
 
 def sampled_accuracy(
-    model: Any, n: int, seed: int, digits: int = 3, temperature: float = 1.0, batch_size: int = 256
+    model: Any, n: int, seed: int, digits: int = 3, temperature: float = 1.0, batch_size: int = 256,
+    task: str = "arithmetic",
 ) -> float:
     """Fraction of `n` fresh problems answered exactly when sampling at `temperature` (0 = greedy).
 
@@ -316,6 +332,8 @@ def sampled_accuracy(
     """
     import torch
 
+    if task == "running_sum":
+        return _running_sum_accuracy(model, n, seed, digits, temperature, batch_size)
     rows = arithmetic.make_prompts(n, seed=seed, digits=digits)
     gen = torch.Generator().manual_seed(seed)
     max_new = digits + 2  # the longest sum has digits+1 digits, then EOS
@@ -349,6 +367,54 @@ def sampled_accuracy(
     return correct / max(n, 1)
 
 
+def _sample_tokens(model: Any, ids: Any, steps: int, temperature: float, gen: Any) -> Any:
+    """`ids` with `steps` sampled tokens appended (full forwards, no KV cache: sequences are short)."""
+    import torch
+
+    for _ in range(steps):
+        logits = model(input_ids=ids).logits[:, -1, :].float()
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen).squeeze(-1)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    return ids
+
+
+def _running_sum_accuracy(model: Any, n: int, seed: int, digits: int, temperature: float, batch_size: int) -> float:
+    """Fraction of `n` running-sum problems whose final total is right, sampling both turns.
+
+    Rows stay rectangular: each turn samples `digits` + 1 tokens, and a first turn that is not `digits`
+    digits then EOS counts as wrong (the rollout would have ended it elsewhere), so this slightly
+    underestimates what the rollout sees.
+    """
+    import torch
+
+    rows = running_sum.make_prompts(n, seed=seed, digits=digits)
+    gen = torch.Generator().manual_seed(seed)
+    symbols = id_to_token()
+    correct = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                chunk = rows[start : start + batch_size]
+                ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
+                ids = _sample_tokens(model, ids, digits + 1, temperature, gen)
+                first_ok = ids[:, -1].eq(EOS_ID) & ~ids[:, -(digits + 1) : -1].eq(EOS_ID).any(dim=1)
+                env = torch.tensor([_encode(running_sum.observation(r["metadata"]["operands"][0])) for r in chunk])
+                ids = _sample_tokens(model, torch.cat([ids, env], dim=1), digits + 1, temperature, gen)
+                for row, ok, out in zip(chunk, first_ok.tolist(), ids[:, -(digits + 1) :].tolist()):
+                    if not ok or out[-1] != EOS_ID:
+                        continue
+                    text = "".join(symbols[t] if t < len(symbols) else "\ufffd" for t in out[:-1])
+                    correct += int(arithmetic.arithmetic_reward(text, row["label"]) == 1.0)
+    finally:
+        model.train(was_training)
+    return correct / max(n, 1)
+
+
 def warm_start(model: Any, recipe: DemoRecipe, seed: int | None = None) -> dict[str, Any]:
     """Supervised training on the addition task until sampled accuracy reaches the target, for at most
     `recipe.warmup_steps` steps; training problems come from `seed` (default `recipe.seed`).
@@ -369,7 +435,7 @@ def warm_start(model: Any, recipe: DemoRecipe, seed: int | None = None) -> dict[
     step = 0
     started = time.perf_counter()
     for step in range(1, recipe.warmup_steps + 1):
-        ids, mask = _training_batch(rng, recipe.batch_size, recipe.digits)
+        ids, mask = _training_batch(rng, recipe.batch_size, recipe.digits, recipe.task)
         logits = model(input_ids=ids).logits[:, :-1, :]
         targets = ids[:, 1:]
         token_loss = torch.nn.functional.cross_entropy(
@@ -390,7 +456,7 @@ def warm_start(model: Any, recipe: DemoRecipe, seed: int | None = None) -> dict[
         if recipe.target_accuracy is not None and step >= recipe.min_steps and step % every == 0:
             acc = sampled_accuracy(
                 model, recipe.eval_samples, seed=10_000 + step, digits=recipe.digits,
-                temperature=recipe.temperature,
+                temperature=recipe.temperature, task=recipe.task,
             )
             checks.append((step, acc))
             log.info("warm_start_check", step=step, loss=round(loss_value, 4), sampled_accuracy=acc)
@@ -461,10 +527,11 @@ def make_demo_model(
             model.to(getattr(torch, recipe.save_dtype)).to(torch.float32)
             accuracy = sampled_accuracy(
                 model, recipe.final_eval_samples, seed=999_983 + recipe.seed, digits=recipe.digits,
-                temperature=recipe.temperature,
+                temperature=recipe.temperature, task=recipe.task,
             )
             greedy = sampled_accuracy(
-                model, recipe.final_eval_samples, seed=999_983 + recipe.seed, digits=recipe.digits, temperature=0.0
+                model, recipe.final_eval_samples, seed=999_983 + recipe.seed, digits=recipe.digits, temperature=0.0,
+                task=recipe.task,
             )
             model.eval()
             result = {"recipe": dataclasses.asdict(recipe), "training": record, "sampled_accuracy": accuracy,
@@ -644,13 +711,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(_SAVE_DTYPES), default="bfloat16", help="dtype of the saved weights")
     parser.add_argument("--threads", type=int, default=1, help="torch threads during the build")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--task", choices=list(DEMO_TASK_RECIPES), default="arithmetic",
+                        help="the demo task the model is warmed on (running_sum: the multi-turn demo)")
     args = parser.parse_args(argv)
     if args.kind == "demo":
         target = None if args.target_accuracy is not None and args.target_accuracy < 0 else args.target_accuracy
         try:
             out = make_demo_model(args.out, seed=args.seed, warmup_steps=args.warmup_steps, target_accuracy=target,
                                   num_threads=args.threads, force=args.force, save_dtype=args.dtype,
-                                  attempts=args.attempts)
+                                  attempts=args.attempts, **DEMO_TASK_RECIPES[args.task])
         except DemoModelError as exc:
             print(f"vime make-demo-model: {exc}", file=sys.stderr)
             return 1

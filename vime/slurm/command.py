@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from vime.config import ConfigError, VimeConfig, add_config_flags, parse_config
+from vime.demo.tasks import demo_task_of
 from vime.slurm.layout import JobLayout, SlurmOptions, plan_layout
 from vime.slurm.render import ScriptPaths, find_vime_bin, render_script
 
@@ -103,6 +104,7 @@ def write_job(
     text = render_script(
         layout, paths, job_name=job_name, generated_by=generated_by,
         make_demo_model=cfg.make_demo_model, hf_checkpoint=str(cfg.hf_checkpoint), engine_args=cfg.vllm,
+        demo_task=demo_task_of(cfg.prompt_data),
     )  # fmt: skip
     # sbatch does not create the directory of --output, and srun does not create the log directory.
     for directory in (paths.slurm_dir, paths.logs_dir):

@@ -89,6 +89,7 @@ def render_script(
     generated_by: str,
     make_demo_model: bool = False,
     hf_checkpoint: str = "",
+    demo_task: str = "arithmetic",
     engine_args: Mapping[str, Any] | None = None,
 ) -> str:
     """The sbatch script for `layout`.
@@ -114,6 +115,7 @@ def render_script(
         vime_bin=paths.vime_bin,
         make_demo_model=make_demo_model,
         hf_checkpoint=hf_checkpoint,
+        demo_task=demo_task,
         rollout_gpus_per_node=rollout_gpus,
         cpu_rollout_env=cpu_rollout_environment(engine_args or {}),
     )
