@@ -8,6 +8,7 @@
 #   bash scripts/gpu_vllm_check.sh bench      # vLLM alone vs vime's engine at real Qwen3 sizes
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
 #   bash scripts/gpu_vllm_check.sh r3         # vime bench r3 through vLLM's routed experts, deeper MoE
+#   bash scripts/gpu_vllm_check.sh multiturn  # the agent tests (multi-turn R3 through vLLM) and the multi-turn demo
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 # To clear the GPU between calls, kill its compute processes by pid (nvidia-smi --query-compute-apps=pid):
 # `pkill -f vime` would also match the calling shell, whose command line names this checkout.
@@ -105,7 +106,20 @@ for part in "${@:-tests}"; do
     timeout 560 python3 -m vime.bench.weight_transport --sizes "${VIME_GPU_TRANSPORT_SIZES:-0.6b,1.7b,4b}" \
       --out "$out/weight_transport.jsonl" 2>&1 | tee "$out/transport.log" | grep '^{"bench"' || status=1
     ;;
-  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport, r3)"; status=2 ;;
+  multiturn)
+    # Multi-turn rollouts on the GPU: the agent tests (the R3 trace of a multi-turn trajectory through
+    # vLLM's prefix cache included), then the multi-turn demo with vLLM rollouts and its learning bar.
+    timeout 240 python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" tests/test_agent.py tests/test_agent_training.py \
+      tests/test_e2e_multiturn.py tests/test_e2e_r3.py::test_vllm_cuda_returns_routing_traces 2>&1 | tee "$out/pytest_multiturn.log" || status=1
+    run=/tmp/vime-gpu-vllm-multiturn; rm -rf "$run"
+    timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo-multiturn.yaml --rollout-engine vllm \
+      --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-multiturn-model --vllm-gpu-memory-utilization 0.3 --no-progress \
+      --broker-address "tcp://127.0.0.1:$(free_port)" --min-reward-gain "${VIME_GPU_MIN_GAIN:-0.3}" \
+      2>&1 | tail -n 25 | tee "$out/multiturn.log" || status=1
+    learned "$run/metrics.jsonl" | tee -a "$out/multiturn.jsonl" || status=1
+    cp "$run/metrics.jsonl" "$out/multiturn_metrics.jsonl" 2>/dev/null || true
+    ;;
+  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport, r3, multiturn)"; status=2 ;;
   esac
 done
 exit "$status"

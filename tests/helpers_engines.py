@@ -14,7 +14,45 @@ from __future__ import annotations
 import asyncio
 import time
 
-from vime.rollout import GenerationProgress, RolloutEngine, SamplingConfig
+import numpy as np
+
+from vime.rollout import GeneratedSample, GenerationProgress, RolloutEngine, SamplingConfig, WeightUpdateResult
+
+
+class StubEngine(RolloutEngine):
+    """A rollout engine that does nothing: tests subclass it and override what they exercise. Its
+    weight version is the `version` attribute."""
+
+    version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    async def start(self) -> None: ...
+
+    async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
+        raise NotImplementedError
+
+    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
+        raise NotImplementedError
+
+    async def pause_generation(self) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    @property
+    def generation_paused(self) -> bool:
+        return False
+
+    @property
+    def progress(self) -> GenerationProgress:
+        return GenerationProgress()
+
+    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None: ...
 
 
 async def until_started(

@@ -23,10 +23,11 @@ from vime.agent.engine_handle import EngineHandle, sampling_from
 from vime.agent.environment import EnvContext, make_environment
 from vime.agent.tools import RemoteTools
 from vime.agent.trajectory import TrajectoryError
-from vime.rollout.base import GeneratedSample, GenerationProgress, RolloutEngine, SamplingConfig, WeightUpdateResult
+from helpers_engines import StubEngine
+from vime.rollout.base import GeneratedSample, RolloutEngine, SamplingConfig
 
 
-class ScriptedEngine(RolloutEngine):
+class ScriptedEngine(StubEngine):
     """Answers each prompt with `reply(prompt)` tokens; logprob -0.5 - 0.01 * i per token; the weight
     version is whatever the test sets. Records every call."""
 
@@ -51,27 +52,6 @@ class ScriptedEngine(RolloutEngine):
             )
             for _ in range(n)
         ]
-
-    async def start(self) -> None: ...
-    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
-        raise NotImplementedError
-    async def pause_generation(self) -> None: ...
-    async def resume_generation(self) -> None: ...
-    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
-        raise NotImplementedError
-    async def shutdown(self) -> None: ...
-
-    @property
-    def generation_paused(self) -> bool:
-        return False
-
-    @property
-    def progress(self) -> GenerationProgress:
-        return GenerationProgress()
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
 
 
 class Cfg:

@@ -8,14 +8,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
+from helpers_engines import StubEngine
 from vime.colocate import ColocateClient, ColocateError, ColocateServer
-from vime.rollout.base import GeneratedSample, GenerationProgress, RolloutEngine, SamplingConfig, WeightUpdateResult
+from vime.rollout.base import WeightUpdateResult
 
 
-class SleepyEngine(RolloutEngine):
+class SleepyEngine(StubEngine):
     """Sleeps and wakes on command; `fail_sleep` / `hang_sleep` make it misbehave."""
 
     def __init__(self, fail_sleep: bool = False, hang_sleep: bool = False) -> None:
@@ -45,27 +45,6 @@ class SleepyEngine(RolloutEngine):
     @property
     def asleep(self) -> bool:
         return self._asleep
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
-
-    async def start(self) -> None: ...
-    async def generate(self, prompt_tokens: list[int], n: int, sampling: SamplingConfig) -> list[GeneratedSample]:
-        raise NotImplementedError
-    async def update_weights(self, version: int, endpoint: str | None = None) -> WeightUpdateResult:
-        raise NotImplementedError
-    async def pause_generation(self) -> None: ...
-    async def resume_generation(self) -> None: ...
-    @property
-    def generation_paused(self) -> bool:
-        return False
-    @property
-    def progress(self) -> GenerationProgress:
-        return GenerationProgress()
-    async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
-        raise NotImplementedError
-    async def shutdown(self) -> None: ...
 
 
 async def _with_engines(address: str, engines: dict[str, SleepyEngine], body: Any, **server_args: Any) -> None:

@@ -93,3 +93,22 @@ def test_a_generate_function_that_raises_fails_its_groups_and_the_job_goes_on(ti
     assert failures and "no sandbox for" in failures[0]["error"]
     assert "in generate" in failures[0]["traceback"]
     assert '"child_started"' in result.stderr and '"child_died"' not in result.stderr  # no worker went down
+
+
+@pytest.mark.e2e
+def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(tmp_path: Path) -> None:
+    """R3 on a tiny MoE (the hf engine records routing on the CPU): each trajectory's trace is its last
+    engine call's, covering the earlier turns and the environment's tokens; the trainer replays it."""
+    from vime.demo.model_factory import make_tiny_qwen3_moe
+
+    moe = make_tiny_qwen3_moe(tmp_path / "moe", seed=0, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=16)
+    run_dir = tmp_path / "run"
+    result = run_multiturn(run_dir, Path(moe), "--use-rollout-routing-replay", "--no-share-prompts", "--rollout-dtype", "bfloat16")
+    assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) == STEPS
+    for m in metrics:
+        assert m["rollout/turns"] == 2.0
+        assert m["train/routing_agreement"] == 1.0, m  # the trainer used the rollout's experts everywhere
+    counters = json.loads((run_dir / "status.json").read_text())["counters"]
+    assert counters["groups_failed"] == 0 and counters["bad_messages"] == 0

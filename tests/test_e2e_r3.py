@@ -177,15 +177,35 @@ def test_vllm_cuda_returns_routing_traces(tiny_moe: Path) -> None:
 
     from vime.rollout import SamplingConfig
 
-    async def go() -> list:
+    from vime.agent import EngineHandle, Trajectory
+
+    async def go() -> tuple[list, Trajectory, list]:
         engine = VllmRolloutEngine(str(tiny_moe), engine_args={"dtype": "bfloat16", "max_model_len": 128,
                                    "gpu_memory_utilization": 0.2}, capture_routing=True, warmup=False)  # fmt: skip
         await engine.start()
         try:
-            return await engine.generate([5, 6, 7, 8], n=2, sampling=SamplingConfig(max_tokens=6, seed=0))
+            samples = await engine.generate([5, 6, 7, 8], n=2, sampling=SamplingConfig(max_tokens=6, seed=0))
+            # Multi-turn: the second call's prompt (prompt, turn 1, environment tokens) starts with a
+            # prefix the first call computed, which vLLM serves from its prefix cache.
+            handle = EngineHandle(engine, SamplingConfig(max_tokens=6, seed=1, ignore_eos=True))
+            trajectory = Trajectory(index=0, prompt="", tokens=[5, 6, 7, 8, 9, 10, 11, 12])
+            first = await handle.generate(trajectory.tokens)
+            trajectory.add_model_turn(first)
+            trajectory.add_env_turn([13, 14, 15])
+            trajectory.add_model_turn(await handle.generate(trajectory.tokens))
+            return samples, trajectory, [first]
         finally:
             await engine.shutdown()
 
-    for s in asyncio.run(go()):
+    samples, trajectory, [first] = asyncio.run(go())
+    for s in samples:
         assert s.num_experts == 64
         validate_trace(s.routed_experts, 4 + s.response_length, 64, num_moe_layers=2, top_k=4)
+    finished = trajectory.finish()
+    validate_trace(finished.routed_experts, len(trajectory.tokens), 64, num_moe_layers=2, top_k=4)
+    # The rows of the cached prefix are the routing the first call computed (top-k sets per token).
+    rows = len(first.routed_experts)
+    same = [set(a) == set(b) for a, b in zip(first.routed_experts.reshape(rows * 2, 4).tolist(),
+                                             finished.routed_experts[:rows].reshape(rows * 2, 4).tolist())]  # fmt: skip
+    print(f"multi-turn R3 trace: {len(finished.routed_experts)} rows, prefix agreement {sum(same) / len(same):.3f}")
+    assert sum(same) / len(same) >= 0.9

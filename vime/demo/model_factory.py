@@ -338,33 +338,39 @@ def sampled_accuracy(
     gen = torch.Generator().manual_seed(seed)
     max_new = digits + 2  # the longest sum has digits+1 digits, then EOS
     correct = 0
+    with _evaluating(model):
+        for start in range(0, n, batch_size):
+            chunk = rows[start : start + batch_size]
+            # All prompts have the same length (fixed digit count), so no padding is needed.
+            ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
+            prompt_len = ids.shape[1]
+            ids = _sample_tokens(model, ids, max_new, temperature, gen)
+            for row, out in zip(chunk, ids[:, prompt_len:].tolist()):
+                if EOS_ID not in out:
+                    continue  # never stopped: wrong, whatever the digits
+                correct += _is_right(out[: out.index(EOS_ID)], row["label"])
+    return correct / max(n, 1)
+
+
+@contextmanager
+def _evaluating(model: Any) -> Iterator[None]:
+    """Eval mode and no autograd for a measurement; the model's mode is restored after it."""
+    import torch
+
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, n, batch_size):
-                chunk = rows[start : start + batch_size]
-                # All prompts have the same length (fixed digit count), so no padding is needed.
-                ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
-                prompt_len = ids.shape[1]
-                for _ in range(max_new):
-                    logits = model(input_ids=ids).logits[:, -1, :].float()
-                    if temperature <= 0:
-                        nxt = logits.argmax(dim=-1)
-                    else:
-                        probs = torch.softmax(logits / temperature, dim=-1)
-                        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-                    ids = torch.cat([ids, nxt[:, None]], dim=1)
-                symbols = id_to_token()
-                for row, out in zip(chunk, ids[:, prompt_len:].tolist()):
-                    if EOS_ID not in out:
-                        continue  # never stopped: wrong, whatever the digits
-                    out = out[: out.index(EOS_ID)]
-                    text = "".join(symbols[t] if t < len(symbols) else "\ufffd" for t in out)
-                    correct += int(arithmetic.arithmetic_reward(text, row["label"]) == 1.0)
+            yield
     finally:
         model.train(was_training)
-    return correct / max(n, 1)
+
+
+def _is_right(answer: list[int], label: str) -> int:
+    """1 if the answer's tokens (without EOS) spell the label, else 0."""
+    symbols = id_to_token()
+    text = "".join(symbols[t] if t < len(symbols) else "\ufffd" for t in answer)
+    return int(arithmetic.arithmetic_reward(text, label) == 1.0)
 
 
 def _sample_tokens(model: Any, ids: Any, steps: int, temperature: float, gen: Any) -> Any:
@@ -392,26 +398,18 @@ def _running_sum_accuracy(model: Any, n: int, seed: int, digits: int, temperatur
 
     rows = running_sum.make_prompts(n, seed=seed, digits=digits)
     gen = torch.Generator().manual_seed(seed)
-    symbols = id_to_token()
     correct = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, n, batch_size):
-                chunk = rows[start : start + batch_size]
-                ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
-                ids = _sample_tokens(model, ids, digits + 1, temperature, gen)
-                first_ok = ids[:, -1].eq(EOS_ID) & ~ids[:, -(digits + 1) : -1].eq(EOS_ID).any(dim=1)
-                env = torch.tensor([_encode(running_sum.observation(r["metadata"]["operands"][0])) for r in chunk])
-                ids = _sample_tokens(model, torch.cat([ids, env], dim=1), digits + 1, temperature, gen)
-                for row, ok, out in zip(chunk, first_ok.tolist(), ids[:, -(digits + 1) :].tolist()):
-                    if not ok or out[-1] != EOS_ID:
-                        continue
-                    text = "".join(symbols[t] if t < len(symbols) else "\ufffd" for t in out[:-1])
-                    correct += int(arithmetic.arithmetic_reward(text, row["label"]) == 1.0)
-    finally:
-        model.train(was_training)
+    with _evaluating(model):
+        for start in range(0, n, batch_size):
+            chunk = rows[start : start + batch_size]
+            ids = torch.tensor([_encode(r["prompt"]) for r in chunk], dtype=torch.long)
+            ids = _sample_tokens(model, ids, digits + 1, temperature, gen)
+            first_ok = ids[:, -1].eq(EOS_ID) & ~ids[:, -(digits + 1) : -1].eq(EOS_ID).any(dim=1)
+            env = torch.tensor([_encode(running_sum.observation(r["metadata"]["operands"][0])) for r in chunk])
+            ids = _sample_tokens(model, torch.cat([ids, env], dim=1), digits + 1, temperature, gen)
+            for row, ok, out in zip(chunk, first_ok.tolist(), ids[:, -(digits + 1) :].tolist()):
+                if ok and out[-1] == EOS_ID:
+                    correct += _is_right(out[:-1], row["label"])
     return correct / max(n, 1)
 
 
