@@ -107,10 +107,12 @@ for part in "${@:-tests}"; do
       --out "$out/weight_transport.jsonl" 2>&1 | tee "$out/transport.log" | grep '^{"bench"' || status=1
     ;;
   multiturn)
-    # Multi-turn rollouts on the GPU: the agent tests (the R3 trace of a multi-turn trajectory through
-    # vLLM's prefix cache included), then the multi-turn demo with vLLM rollouts and its learning bar.
-    timeout 240 python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" tests/test_agent.py tests/test_agent_training.py \
-      tests/test_e2e_multiturn.py tests/test_e2e_r3.py::test_vllm_cuda_returns_routing_traces 2>&1 | tee "$out/pytest_multiturn.log" || status=1
+    # Multi-turn rollouts on the GPU: the R3 trace of a multi-turn trajectory through vLLM's prefix cache
+    # (VIME_GPU_TEST_IDS: more, e.g. tests/test_e2e_multiturn.py), then the multi-turn demo with vLLM
+    # rollouts and its learning bar.
+    ids=(${VIME_GPU_TEST_IDS:-tests/test_e2e_r3.py::test_vllm_cuda_returns_routing_traces})
+    timeout "${VIME_GPU_TESTS_S:-200}" python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" "${ids[@]}" \
+      2>&1 | tee "$out/pytest_multiturn.log" || status=1
     run=/tmp/vime-gpu-vllm-multiturn; rm -rf "$run"
     timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo-multiturn.yaml --rollout-engine vllm \
       --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-multiturn-model --vllm-gpu-memory-utilization 0.3 --no-progress \
