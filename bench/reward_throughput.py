@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("VIME_LOG_LEVEL", "WARNING")
 
 from bench.stdlib_reward_server import StdlibServer  # noqa: E402
-from vime.protocol.messages import Group, Sample  # noqa: E402
+from vime.protocol.messages import Group, Sample, ScoringGroup  # noqa: E402
 from vime.rewards import build_reward_fn  # noqa: E402
 from vime.rewards.math import MathReward, MathVerifier  # noqa: E402
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings  # noqa: E402
@@ -59,7 +59,7 @@ from workers.reward import LocalScorer, score_groups  # noqa: E402
 GROUP_SIZE = 8
 
 
-def make_groups(reward: str, n_samples: int, seed: int = 0) -> list[Group]:
+def make_groups(reward: str, n_samples: int, seed: int = 0) -> list[ScoringGroup]:
     """Groups of 8 demo-like samples (arithmetic) or GSM8K-style answers; about half correct."""
     rng = np.random.default_rng(seed)
     groups = []
@@ -73,11 +73,11 @@ def make_groups(reward: str, n_samples: int, seed: int = 0) -> list[Group]:
             text = answer if reward == "arithmetic" else f"She has {a} + {b} = {answer} eggs.\n#### {answer}"
             toks = np.arange(4, dtype=np.int32)
             samples.append(Sample(i, toks, np.zeros(4, np.float32), np.ones(4, np.uint8), np.zeros(4, np.int32), "stop", text))
-        groups.append(Group(f"g{g}", g, 0, np.arange(6, dtype=np.int32), prompt, GROUP_SIZE, label, {}, 0, samples))
+        groups.append(ScoringGroup.of(Group(f"g{g}", g, 0, np.arange(6, dtype=np.int32), prompt, GROUP_SIZE, label, {}, 0, samples)))
     return groups
 
 
-async def rate(scorer: Any, groups: list[Group], repeats: int) -> dict[str, float]:
+async def rate(scorer: Any, groups: list[ScoringGroup], repeats: int) -> dict[str, float]:
     """Median rewards/s over `repeats` passes after a warm-up pass; also checks nothing failed."""
     n = sum(len(g.samples) for g in groups)
     await score_groups(scorer, groups)  # warm-up: connections, pool workers, caches

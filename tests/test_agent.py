@@ -406,7 +406,7 @@ def test_a_trajectory_that_ends_after_an_env_turn_cannot_carry_an_r3_trace() -> 
 
 
 def test_the_reward_worker_keeps_environment_rewards_and_rollout_failures_and_scores_the_rest() -> None:
-    from vime.protocol.messages import Group, Sample
+    from vime.protocol.messages import Group, Sample, ScoringGroup
     from workers.reward import LocalScorer, score_groups
     from workers.rollout import failed_sample
 
@@ -427,7 +427,8 @@ def test_the_reward_worker_keeps_environment_rewards_and_rollout_failures_and_sc
                    [failed_sample(i, "Traceback ...\nKeyError: 'search'") for i in range(2)])  # fmt: skip
     for group in (env_rewarded, failed):
         group.validate()  # what the rollout worker sends is a valid message
-    scores = asyncio.run(score_groups(LocalScorer(reward_fn), [env_rewarded, failed]))
+    scoring = [ScoringGroup.of(g) for g in (env_rewarded, failed)]  # what the broker sends the reward worker
+    scores = asyncio.run(score_groups(LocalScorer(reward_fn), scoring))
     assert seen == ["b"]  # only the sample nobody had judged went to the reward function
     assert scores[0].rewards == [1.0, 0.5] and scores[0].failed == [False, False]
     assert scores[1].failed == [True, True] and "KeyError: 'search'" in scores[1].reasons[0]

@@ -443,3 +443,28 @@ def test_simulated_run_with_dynamic_sampling_trains_only_kept_groups_and_loses_n
     c = state.counters
     assert c["groups_admitted"] == state.committed + c["groups_filtered"] + c["groups_failed"] + c["groups_dropped_stale"], "nothing lost"
     assert state.finished
+
+
+def test_reward_workers_get_the_texts_label_and_metadata_but_no_token_arrays() -> None:
+    """Issue 18: ScoreGroups carried whole groups (tokens, logprobs, versions, R3 traces) to reward
+    workers that read only the texts; now one header frame of texts per message, and the broker keeps
+    the arrays for the trainer."""
+    from vime.protocol.codec import encode
+    from vime.protocol.messages import ScoringGroup
+
+    state = make_state(batch=2, staleness=0)
+    state.add_credit(ROLLOUT, 10)
+    groups = dispatched(state.dispatch())
+    for g in groups:
+        generated = generate(g, version=0, length=400)  # arrays well over the inline limit
+        generated.samples[0].status, generated.samples[0].failure_reason = "failed", "tool server down"
+        state.on_generated(ROLLOUT, [generated])
+    [(identity, msg)] = state.dispatch_scoring()
+    assert identity == REWARD and isinstance(msg, ScoreGroups)
+    assert all(isinstance(g, ScoringGroup) for g in msg.groups)
+    assert len(encode(msg)) == 1  # no array frames at all
+    sent = msg.groups[0]
+    assert (sent.group_id, sent.prompt_text, sent.label) == (groups[0].group_id, groups[0].prompt_text, groups[0].label)
+    assert [s.response_text for s in sent.samples] == [s.response_text for s in state.scoring[sent.group_id][0].samples]
+    assert (sent.samples[0].status, sent.samples[0].failure_reason) == ("failed", "tool server down")
+    assert len(state.scoring[sent.group_id][0].samples[0].response_tokens) == 400  # the broker keeps the arrays

@@ -354,14 +354,15 @@ def test_circuit_opens_after_repeated_failures_and_stops_sending(fault_server: s
 
 
 def _group(group_id: str, responses: list[str], label: str = "2"):
-    from vime.protocol.messages import Group, Sample
+    """A generated group as the broker sends it to a reward worker."""
+    from vime.protocol.messages import Group, Sample, ScoringGroup
 
     def sample(i: int, text: str) -> Sample:
         toks = np.arange(3, dtype=np.int32)
         return Sample(i, toks, np.zeros(3, np.float32), np.ones(3, np.uint8), np.zeros(3, np.int32), "stop", text)
 
-    return Group(group_id, 0, 0, np.arange(4, dtype=np.int32), "1+1=", len(responses), label, {}, 0,
-                 [sample(i, t) for i, t in enumerate(responses)])  # fmt: skip
+    return ScoringGroup.of(Group(group_id, 0, 0, np.arange(4, dtype=np.int32), "1+1=", len(responses), label, {}, 0,
+                                 [sample(i, t) for i, t in enumerate(responses)]))  # fmt: skip
 
 
 def test_worker_scores_each_group_and_marks_failures_without_losing_samples(fault_server: str) -> None:

@@ -24,7 +24,9 @@ from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
 from vime.logging import get_logger
 from vime.metrics import BusyTimer
-from vime.protocol.messages import Ack, Credit, Group, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, Sample, ScoreGroups, Shutdown
+from vime.protocol.messages import (
+    Ack, Credit, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, ScoreGroups, ScoringGroup, ScoringSample, Shutdown,
+)
 from vime.rewards import RewardFn, RewardResult, build_reward_fn
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings
 from vime.rewards.wire import ScoreItem
@@ -67,7 +69,7 @@ def build_scorer(cfg: VimeConfig) -> Scorer:
     return LocalScorer(build_reward_fn(cfg.rm_type, cfg.custom_rm_path))
 
 
-def items_of(groups: Sequence[Group]) -> list[ScoreItem]:
+def items_of(groups: Sequence[ScoringGroup]) -> list[ScoreItem]:
     """Every sample of `groups` the scorer must judge, in order; ids are `group_id/sample_index` (unique
     within a message). Samples that arrive judged are left out (`settled`)."""
     return [
@@ -78,7 +80,7 @@ def items_of(groups: Sequence[Group]) -> list[ScoreItem]:
     ]
 
 
-def settled(sample: Sample) -> RewardResult | None:
+def settled(sample: ScoringSample) -> RewardResult | None:
     """The result of a sample that needs no scorer: one that failed during its rollout (a generate
     function or environment error, with its reason), or one its environment already rewarded."""
     if sample.status == "failed":
@@ -88,7 +90,7 @@ def settled(sample: Sample) -> RewardResult | None:
     return None
 
 
-async def score_groups(scorer: Scorer, groups: Sequence[Group]) -> list[GroupScores]:
+async def score_groups(scorer: Scorer, groups: Sequence[ScoringGroup]) -> list[GroupScores]:
     """Scores for `groups`; if the scorer breaks its promise (raises, wrong count) every sample it was
     given fails."""
     items = items_of(groups)
@@ -193,7 +195,7 @@ class RewardWorker:
             stats.update(self.scorer.stats())
         return Heartbeat(in_flight=len(self.tasks), stats=stats)
 
-    async def _score(self, groups: Sequence[Group]) -> None:
+    async def _score(self, groups: Sequence[ScoringGroup]) -> None:
         self.busy.begin()
         try:
             scores = await score_groups(self.scorer, groups)

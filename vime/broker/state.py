@@ -81,6 +81,7 @@ from vime.protocol.messages import (
     JobInfo,
     Message,
     ScoreGroups,
+    ScoringGroup,
     Shutdown,
     TrainBatch,
     WeightVersionAnnounce,
@@ -508,7 +509,7 @@ class BrokerState:
             self.scoring[group.group_id] = (group, worker.identity)
             batches.setdefault(worker.identity, []).append(group)
         for identity, groups in batches.items():
-            out.append((identity, ScoreGroups(groups=groups)))
+            out.append((identity, ScoreGroups(groups=[ScoringGroup.of(g) for g in groups])))
         return out
 
     def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:

@@ -9,7 +9,8 @@ Conversation shapes (worker -> broker, broker -> worker):
 - any worker: Hello -> Welcome; Heartbeat -> HeartbeatAck; Bye.
 - rollout: Credit(n) grants n slots; broker sends DispatchGroups when admission allows;
   worker returns GroupsGenerated -> Ack. WeightVersionAnnounce tells it a newer version exists.
-- reward: Credit(n); broker sends ScoreGroups; worker returns GroupsScored -> Ack.
+- reward: Credit(n); broker sends ScoreGroups (each group's texts, label and metadata only: `ScoringGroup`);
+  worker returns GroupsScored -> Ack.
 - trainer: BatchRequest -> TrainBatch (held until enough admissible groups exist);
   StepDone, WeightsPublished and CheckpointSaved -> Ack. A BatchRequest for a step that already has a
   batch gets the same groups again. EvalResult (broker -> trainer) when an eval run is scored.
@@ -209,8 +210,42 @@ class WeightVersionAnnounce(Message, tag="weight_version"):
     endpoint: str
 
 
+class ScoringSample(Message, tag="scoring_sample"):
+    """What a reward worker needs of a sample: its text, and whether it arrives judged (failed during
+    its rollout, or rewarded by its environment)."""
+
+    index: int
+    response_text: str
+    status: SampleStatus = "completed"
+    reward: float | None = None
+    reward_extra: dict[str, Any] = {}
+    failure_reason: str | None = None
+
+
+class ScoringGroup(Message, tag="scoring_group"):
+    """A generated group as a reward worker sees it: texts, label and metadata. No token arrays,
+    logprobs or routing traces: the broker keeps those, and they are most of a group's bytes."""
+
+    group_id: str
+    prompt_text: str
+    label: str | None = None
+    metadata: dict[str, Any] = {}
+    samples: list[ScoringSample] = []
+
+    @classmethod
+    def of(cls, group: Group) -> ScoringGroup:
+        return cls(
+            group_id=group.group_id, prompt_text=group.prompt_text, label=group.label, metadata=group.metadata,
+            samples=[
+                ScoringSample(index=s.index, response_text=s.response_text, status=s.status, reward=s.reward,
+                              reward_extra=s.reward_extra, failure_reason=s.failure_reason)
+                for s in group.samples
+            ],
+        )  # fmt: skip
+
+
 class ScoreGroups(Message, tag="score_groups"):
-    groups: list[Group]
+    groups: list[ScoringGroup]
 
 
 class GroupScores(Message, tag="group_scores"):
