@@ -326,11 +326,13 @@ def test_the_calculator_refuses_what_is_not_arithmetic() -> None:
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A real `vime-tool-server` process with the calculator and a user tool that raises."""
+    """A real `vime-tool-server` process with the calculator, a user tool that raises, and the
+    multi-turn demo's environment."""
     folder = tmp_path_factory.mktemp("tools")
     (folder / "user_tools.py").write_text("def fail(reason):\n    raise RuntimeError(reason)\n")
     process = subprocess.Popen(
-        [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", "--tool", f"fail={folder / 'user_tools.py'}:fail"],
+        [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", "--tool", f"fail={folder / 'user_tools.py'}:fail",
+         "--environment", "running_sum=vime.demo.running_sum:make_environment"],
         cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = None
@@ -518,3 +520,84 @@ def test_malformed_tool_calls_are_the_models_error_to_see() -> None:
             parse_tool_calls(bad)
     # Without a template that renders tool messages: Qwen3's own syntax.
     assert tool_response_text(object(), ["5"]) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+# --- environments on an environment server ------------------------------------------------------------
+
+
+def test_a_remote_environment_plays_like_the_local_one(tool_server: str) -> None:
+    from vime.agent.multiturn import generate
+    from vime.agent.remote_environment import RemoteEnvironmentFactory
+    from vime.demo import running_sum
+
+    tokenizer = LossyTokenizer()
+    [row] = running_sum.make_prompts(1, seed=0)
+    answers = iter([str(row["metadata"]["a"] + row["metadata"]["b"]), row["label"]])  # both turns right
+    engine = ScriptedEngine(lambda prompt: [5, 6], text=lambda out: next(answers))
+    factory = RemoteEnvironmentFactory(f"{tool_server}/environments/running_sum", timeout_s=10, retries=1)
+
+    async def play() -> Any:
+        context = EnvContext(cfg=Cfg(), tokenizer=tokenizer, tools=Tools())
+
+        async def environment(sample: Trajectory) -> Any:
+            return await make_environment(factory, sample, context)
+
+        try:
+            return await generate_group(
+                generate, cfg=Cfg(), engine=engine, tokenizer=tokenizer, make_environment=environment,
+                prompt_text=row["prompt"], prompt_tokens=[20, 21], label=row["label"], metadata=row["metadata"],
+                n_samples=1, sampling=SamplingConfig(max_tokens=8), max_context_len=None,
+            )  # fmt: skip
+        finally:
+            await factory.aclose()
+
+    outcome = asyncio.run(play())
+    assert outcome.failure is None, outcome.failure
+    assert outcome.rewards == [1.0]  # the server's environment judged the final answer
+    operand = row["metadata"]["operands"][0]
+    [sample] = outcome.samples
+    assert sample.loss_mask.tolist() == [1, 1] + [0] * len(f"+{operand}=") + [1, 1]
+    import urllib.request
+
+    health = json.loads(urllib.request.urlopen(f"{tool_server}/health", timeout=10).read())
+    assert health["sessions"] == 0  # the trajectory closed its session
+
+
+def test_a_retried_step_gets_the_first_answer_and_does_not_act_twice(tool_server: str) -> None:
+    from vime.agent.http_json import JsonClient
+
+    async def exchange() -> list[tuple[int, dict]]:
+        client = JsonClient(tool_server, timeout_s=10, retries=0)
+        try:
+            _, opened = await client.post("/environments/running_sum/reset", {"prompt": "23+45=", "label": "75", "metadata": {"operands": [7]}})
+            session = opened["session"]
+            first = await client.post("/environments/running_sum/step", {"session": session, "turn": 1, "action": "68"})
+            again = await client.post("/environments/running_sum/step", {"session": session, "turn": 1, "action": "68"})
+            final = await client.post("/environments/running_sum/step", {"session": session, "turn": 2, "action": "75"})
+            skipped = await client.post("/environments/running_sum/step", {"session": session, "turn": 5, "action": "1"})
+            unknown = await client.post("/environments/running_sum/step", {"session": "nope", "turn": 1, "action": "1"})
+            missing = await client.post("/environments/nope/reset", {"prompt": "x"})
+            return [first, again, final, skipped, unknown, missing]
+        finally:
+            await client.aclose()
+
+    first, again, final, skipped, unknown, missing = asyncio.run(exchange())
+    assert first == again and first[1]["observation"] == "+7=" and not first[1]["done"]
+    assert final[1]["done"] and final[1]["reward"] == 1.0  # turn 2 after a retried turn 1: the environment moved once
+    assert skipped[0] == 422 and "out of order" in skipped[1]["error"]
+    assert unknown[0] == 404 and missing[0] == 404
+
+
+def test_an_unreachable_environment_server_fails_the_group() -> None:
+    import socket
+
+    from vime.agent.multiturn import generate
+    from vime.agent.remote_environment import RemoteEnvironmentFactory
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    factory = RemoteEnvironmentFactory(f"http://127.0.0.1:{port}/environments/running_sum", timeout_s=2, retries=1)
+    outcome = run_group(generate, ScriptedEngine(lambda p: [1]), prompt=[20], tokenizer=LossyTokenizer(), env_factory=factory)
+    asyncio.run(factory.aclose())
+    assert outcome.failure is not None and "EnvironmentFailure" in outcome.failure and "gave no answer" in outcome.failure

@@ -166,6 +166,10 @@ class VimeConfig(BaseModel):
         None, description="path/to/file.py:fn or module:fn building one trajectory's environment (async reset/step); "
         "alone it selects the built-in multi-turn loop vime.agent.multiturn:generate",
     )  # fmt: skip
+    environment_url: str | None = Field(
+        None, description="an environment on an environment server (vime-tool-server --environment NAME=...): "
+        "http://HOST:PORT/environments/NAME; instead of --environment-path",
+    )  # fmt: skip
     max_turns: int = Field(8, ge=1, description="model turns per multi-turn trajectory")
     rollout_max_context_len: int | None = Field(
         None, ge=1, description="token budget of a whole trajectory (prompt and every turn); default: the engine's"
@@ -421,6 +425,16 @@ class VimeConfig(BaseModel):
         if self.colocate and endpoint.startswith("ipc://") and len(endpoint.encode()) - len("ipc://") > 107:
             raise ValueError(f"colocate: the turn socket {endpoint} is longer than an ipc path may be (107 bytes); "
                              "use a shorter --run-dir or --colocate-address ipc:///tmp/NAME.sock")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _check_environment(self) -> VimeConfig:
+        if self.environment_path and self.environment_url:
+            raise ValueError("environment_path and environment_url both name the environment: give one")
+        if self.environment_url:
+            base, sep, name = self.environment_url.rstrip("/").rpartition("/environments/")
+            if not sep or not base.startswith(("http://", "https://")) or not name or "/" in name:
+                raise ValueError(f"environment_url {self.environment_url!r} must look like http://HOST:PORT/environments/NAME")
         return self
 
     @model_validator(mode="after")

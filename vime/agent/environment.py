@@ -6,6 +6,7 @@ An environment is built per trajectory by the factory `--environment-path` names
     class Environment(Protocol):
         async def reset(self, sample: Trajectory) -> str | None       # optional first observation
         async def step(self, sample: Trajectory, turn: ModelTurn) -> EnvStep
+        async def close(self) -> None                                   # optional: the trajectory ended
 
 `EnvStep.observation` (text, tokenized once and appended as a masked environment turn) or
 `observation_tokens` (appended as they are) is what the model sees next; `done` ends the trajectory;

@@ -1,6 +1,6 @@
 """The generate function used with `--environment-path`: model and environment take turns.
 
-    reset -> [model turn -> env.step -> environment turn]* -> done
+    reset -> [model turn -> env.step -> environment turn]* -> done -> close (if the environment has one)
 
 Budgets: at most `--max-turns` model turns, each at most `--rollout-max-response-len` tokens, and
 the whole trajectory (prompt included) at most `--rollout-max-context-len` tokens. A trajectory that
@@ -28,6 +28,15 @@ async def generate(args: Any, sample: Trajectory, sampling_params: dict[str, Any
     if args.make_environment is None:
         raise RuntimeError("vime.agent.multiturn.generate needs --environment-path")
     env = await args.make_environment(sample)
+    try:
+        return await _take_turns(args, env, sample, sampling_params)
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            await close()
+
+
+async def _take_turns(args: Any, env: Any, sample: Trajectory, sampling_params: dict[str, Any]) -> Trajectory:
     started = time.perf_counter()
     first = await env.reset(sample)
     sample.count("env_s", time.perf_counter() - started)

@@ -2,8 +2,9 @@
 
 Built once per worker from the job's config (`AgentRollout.from_config`, None for plain sampling),
 then `generate_group` runs the generate function for each sample of a dispatched group
-(`vime.agent.custom_generate`). `--environment-path` alone selects `vime.agent.multiturn.generate`;
-`--custom-generate-function-path` replaces it (and may use the environment too).
+(`vime.agent.custom_generate`). `--environment-path` (or `--environment-url`, an environment on an
+environment server) alone selects `vime.agent.multiturn.generate`; `--custom-generate-function-path`
+replaces it (and may use the environment too).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from vime.agent.custom_generate import GenerateFunction, GroupOutcome, generate_group, load_generate_function
 from vime.agent.environment import EnvContext, Environment, load_environment_factory, make_environment
+from vime.agent.remote_environment import RemoteEnvironmentFactory
 from vime.agent.tools import RemoteTools, Tools, load_local_tools
 from vime.agent.trajectory import Trajectory
 from vime.rollout.base import RolloutEngine, SamplingConfig
@@ -29,13 +31,17 @@ class AgentRollout:
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None) -> AgentRollout | None:
         """None when the job samples plainly; raises PluginLoadError for a bad spec (at start-up)."""
-        if not cfg.custom_generate_function_path and not cfg.environment_path:
+        if not cfg.custom_generate_function_path and not cfg.environment_path and not cfg.environment_url:
             return None
         if cfg.custom_generate_function_path:
             fn = load_generate_function(cfg.custom_generate_function_path)
         else:
             from vime.agent.multiturn import generate as fn  # type: ignore[assignment]
-        env_factory = load_environment_factory(cfg.environment_path) if cfg.environment_path else None
+        env_factory: Any = None
+        if cfg.environment_path:
+            env_factory = load_environment_factory(cfg.environment_path)
+        elif cfg.environment_url:
+            env_factory = RemoteEnvironmentFactory(cfg.environment_url, timeout_s=cfg.tool_timeout_s, retries=cfg.tool_retries)
         remote = (RemoteTools(cfg.tool_server_url, timeout_s=cfg.tool_timeout_s, retries=cfg.tool_retries)
                   if cfg.tool_server_url else None)  # fmt: skip
         tools = Tools(load_local_tools(list(cfg.tool)), remote)
@@ -61,3 +67,5 @@ class AgentRollout:
 
     async def aclose(self) -> None:
         await self.tools.aclose()
+        if isinstance(self.env_factory, RemoteEnvironmentFactory):
+            await self.env_factory.aclose()

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
-
+from vime.agent.http_json import JsonClient, ServiceUnavailable
 from vime.agent.trajectory import Trajectory
 from vime.plugins import PluginLoadError, load_function
 
@@ -39,10 +36,6 @@ class ToolCallError(RuntimeError):
 
 class ToolUnavailable(RuntimeError):
     """The tool server gave no answer after its retries; the trajectory cannot go on honestly."""
-
-
-class _Retryable(Exception):
-    pass
 
 
 def load_local_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
@@ -59,60 +52,28 @@ def load_local_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
 
 
 class RemoteTools:
-    """Client of one tool server: bounded timeouts, retries with backoff on connection errors,
-    timeouts and 5xx; 4xx answers are the call's own fault (`ToolCallError`), at once."""
+    """Client of one tool server (`vime.agent.http_json`: timeouts, retries with backoff); a 4xx
+    answer is the call's own fault (`ToolCallError`), no answer at all is `ToolUnavailable`."""
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2) -> None:
         self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
         self.retries = retries
-        self.backoff_s = backoff_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
+        self._client = JsonClient(self.url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._client.aclose()
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.retries + 1),
-            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=5.0, jitter=self.backoff_s),
-            retry=retry_if_exception_type(_Retryable),
-            reraise=True,
-        )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._post(name, arguments)
-        except _Retryable as exc:
-            raise ToolUnavailable(f"tool server {self.url} gave no answer for tool {name!r} after "
-                                  f"{self.retries + 1} attempts: {exc}") from None  # fmt: skip
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _post(self, name: str, arguments: Mapping[str, Any]) -> str:
-        url = f"{self.url}/tools/{name}"
-        try:
-            async with self._open().post(url, json={"arguments": dict(arguments)}) as reply:
-                body = await reply.read()
-                status = reply.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if status >= 500 or status == 429:
-            raise _Retryable(f"HTTP {status}: {body[:200]!r}")
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            raise ToolCallError(f"tool server answered HTTP {status} with a body that is not JSON: {body[:200]!r}") from None
+            status, payload = await self._client.post(f"/tools/{name}", {"arguments": dict(arguments)})
+        except ServiceUnavailable as exc:
+            raise ToolUnavailable(f"tool server gave no answer for tool {name!r}: {exc}") from None
+        except ValueError as exc:
+            raise ToolCallError(str(exc)) from None
         if status >= 400 or "error" in payload:
             raise ToolCallError(str(payload.get("error") or f"HTTP {status}"))
         if "result" not in payload:
-            raise ToolCallError(f"tool server answer has no 'result': {body[:200]!r}")
+            raise ToolCallError(f"tool server answer has no 'result': {str(payload)[:200]}")
         return str(payload["result"])
 
 
