@@ -112,3 +112,26 @@ def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(tmp_path: P
         assert m["train/routing_agreement"] == 1.0, m  # the trainer used the rollout's experts everywhere
     counters = json.loads((run_dir / "status.json").read_text())["counters"]
     assert counters["groups_failed"] == 0 and counters["bad_messages"] == 0
+
+
+@pytest.mark.e2e
+def test_the_pipeline_with_the_environment_on_an_environment_server(tiny_model: Path, tmp_path: Path) -> None:
+    """`--environment-url`: the same trajectories with the environment in a `vime-tool-server` process."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", "--environment", "running_sum=vime.demo.running_sum:make_environment"],
+        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        url = next(json.loads(line)["url"] for line in server.stdout if '"tool_server_listening"' in line)
+        run_dir = tmp_path / "run"
+        result = run_multiturn(run_dir, tiny_model, "--environment-url", f"{url}/environments/running_sum",
+                               "--environment-path", "")  # fmt: skip
+        assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        assert len(metrics) == STEPS and all(m["rollout/turns"] == 2.0 and m["rollout/masked_tokens"] == 3.0 for m in metrics)
+        counters = json.loads((run_dir / "status.json").read_text())["counters"]
+        assert counters["groups_trained"] == STEPS * GROUPS and counters["groups_failed"] == 0
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
