@@ -404,35 +404,45 @@ class BrokerState:
         as admission allows (none once every training step is done)."""
         if self.finished:
             return []
-        out: Outgoing = []
+        batches = self._lease_out("rollout", self._next_rollout_group, self.generating)
+        return [(identity, DispatchGroups(groups=groups)) for identity, groups in batches.items()]
+
+    def _next_rollout_group(self) -> Group | None:
+        """The next group to generate, or None when admission (or the end of training) says wait."""
+        if self.eval_queue:
+            # Eval first: the sooner it starts, the likelier workers still hold the run's version.
+            group = self.eval_queue.popleft()
+            self._eval_active.add(group.group_id)
+            self.counters["eval_groups_dispatched"] += 1
+            return group
+        if self.training_done:
+            return None
+        if self.retry_queue:
+            group = self.retry_queue.popleft()
+        elif self.committed < self.admission_limit:
+            group = self._new_group()
+        else:
+            return None
+        group.min_weight_version = self.published_version
+        self.counters["groups_dispatched"] += 1
+        return group
+
+    def _lease_out(
+        self, role: str, take: Callable[[], Group | None], leases: dict[str, tuple[Group, bytes]]
+    ) -> dict[bytes, list[Group]]:
+        """The one lease loop of rollout and reward work: while a `role` worker has credit (the one with
+        the fewest leases first) and `take` gives a group, lease it to that worker for one credit and
+        record the lease in `leases`. Returns the groups per worker, in order."""
         batches: dict[bytes, list[Group]] = {}
-        while True:
-            worker = self._worker_with_credit("rollout")
-            if worker is None:
+        while (worker := self._worker_with_credit(role)) is not None:
+            group = take()
+            if group is None:
                 break
-            if self.eval_queue:
-                # Eval first: the sooner it starts, the likelier workers still hold the run's version.
-                group = self.eval_queue.popleft()
-                self._eval_active.add(group.group_id)
-                self.counters["eval_groups_dispatched"] += 1
-            else:
-                if self.training_done:
-                    break
-                if self.retry_queue:
-                    group = self.retry_queue.popleft()
-                elif self.committed < self.admission_limit:
-                    group = self._new_group()
-                else:
-                    break
-                group.min_weight_version = self.published_version
-                self.counters["groups_dispatched"] += 1
             worker.credits -= 1
             worker.leased.add(group.group_id)
-            self.generating[group.group_id] = (group, worker.identity)
+            leases[group.group_id] = (group, worker.identity)
             batches.setdefault(worker.identity, []).append(group)
-        for identity, groups in batches.items():
-            out.append((identity, DispatchGroups(groups=groups)))
-        return out
+        return batches
 
     def _new_group(self) -> Group:
         epoch, prompt = self.cursor.next()
@@ -497,20 +507,9 @@ class BrokerState:
         return accepted
 
     def dispatch_scoring(self) -> Outgoing:
-        out: Outgoing = []
-        batches: dict[bytes, list[Group]] = {}
-        while self.to_score:
-            worker = self._worker_with_credit("reward")
-            if worker is None:
-                break
-            group = self.to_score.popleft()
-            worker.credits -= 1
-            worker.leased.add(group.group_id)
-            self.scoring[group.group_id] = (group, worker.identity)
-            batches.setdefault(worker.identity, []).append(group)
-        for identity, groups in batches.items():
-            out.append((identity, ScoreGroups(groups=[ScoringGroup.of(g) for g in groups])))
-        return out
+        """Hand generated groups to reward workers with credits, as `ScoringGroup`s (texts only)."""
+        batches = self._lease_out("reward", lambda: self.to_score.popleft() if self.to_score else None, self.scoring)
+        return [(identity, ScoreGroups(groups=[ScoringGroup.of(g) for g in groups])) for identity, groups in batches.items()]
 
     def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:
         accepted = []
