@@ -71,6 +71,7 @@ from vime.broker.journal import (
     JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalFinished, JournalPublished,
     JournalRecord, JournalStepDone,
 )
+from vime.broker.workers import WorkerInfo, WorkerRegistry
 from vime.filters import FilterDecision
 from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
 from vime.protocol.messages import (
@@ -91,19 +92,6 @@ if TYPE_CHECKING:
     from vime.config import VimeConfig
 
 Outgoing = list[tuple[bytes, Message]]
-
-
-@dataclass
-class WorkerInfo:
-    identity: bytes
-    worker_id: str
-    role: str
-    last_seen: float
-    credits: int = 0
-    weight_version: int = -1
-    leased: set[str] = field(default_factory=set)
-    stats: dict[str, Any] = field(default_factory=dict)
-    requeued: int = 0  # leased groups put back in a queue when this registration ended (for the log)
 
 
 @dataclass
@@ -219,7 +207,7 @@ class BrokerState:
         self._eval_active: set[str] = set()  # eval groups generating, waiting for or being scored
         self.eval_outbox: list[EvalResult] = []
         self.training_done = False
-        self.workers: dict[bytes, WorkerInfo] = {}
+        self.registry = WorkerRegistry()
         self.retry_queue: deque[Group] = deque()
         self.generating: dict[str, tuple[Group, bytes]] = {}
         self.to_score: deque[Group] = deque()
@@ -271,11 +259,15 @@ class BrokerState:
 
     # --- workers -----------------------------------------------------------------------------
 
+    @property
+    def workers(self) -> dict[bytes, WorkerInfo]:
+        """The registered workers by ZeroMQ identity (`registry.workers`)."""
+        return self.registry.workers
+
     def register(self, identity: bytes, worker_id: str, role: str, now: float, weight_version: int = -1) -> JobInfo:
-        old = self.workers.get(identity)
+        old = self.registry.register(identity, worker_id, role, now, weight_version)
         if old is not None and old.leased:
             self._release_leases(old)
-        self.workers[identity] = WorkerInfo(identity, worker_id, role, now, weight_version=weight_version)
         return self.job_info()
 
     def job_info(self) -> JobInfo:
@@ -291,18 +283,10 @@ class BrokerState:
 
     def touch(self, identity: bytes, now: float, weight_version: int | None = None, stats: dict[str, Any] | None = None) -> bool:
         """Record that a worker is alive; False if it is unknown (it must say Hello again)."""
-        worker = self.workers.get(identity)
-        if worker is None:
-            return False
-        worker.last_seen = now
-        if weight_version is not None and weight_version >= 0:
-            worker.weight_version = weight_version
-        if stats:
-            worker.stats.update(stats)
-        return True
+        return self.registry.touch(identity, now, weight_version, stats)
 
     def remove_worker(self, identity: bytes) -> WorkerInfo | None:
-        worker = self.workers.pop(identity, None)
+        worker = self.registry.remove(identity)
         if worker is not None:
             self._release_leases(worker)
         if self.pending_batch is not None and self.pending_batch.identity == identity:
@@ -312,7 +296,7 @@ class BrokerState:
     def expire_workers(self, now: float) -> list[WorkerInfo]:
         """Drop workers silent for longer than the timeout; their leased groups are re-queued (how
         many: each returned worker's `requeued`)."""
-        dead = [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_s]
+        dead = self.registry.silent(now, self.settings.worker_timeout_s)
         for worker in dead:
             self.remove_worker(worker.identity)
         return dead
@@ -339,8 +323,7 @@ class BrokerState:
         worker.leased.clear()
 
     def add_credit(self, identity: bytes, n: int) -> None:
-        worker = self.workers[identity]
-        worker.credits += n
+        self.registry.add_credit(identity, n)
 
     # --- admission and dispatch ----------------------------------------------------------------
 
@@ -404,7 +387,7 @@ class BrokerState:
         as admission allows (none once every training step is done)."""
         if self.finished:
             return []
-        batches = self._lease_out("rollout", self._next_rollout_group, self.generating)
+        batches = self.registry.lease_out("rollout", self._next_rollout_group, self.generating)
         return [(identity, DispatchGroups(groups=groups)) for identity, groups in batches.items()]
 
     def _next_rollout_group(self) -> Group | None:
@@ -426,23 +409,6 @@ class BrokerState:
         group.min_weight_version = self.published_version
         self.counters["groups_dispatched"] += 1
         return group
-
-    def _lease_out(
-        self, role: str, take: Callable[[], Group | None], leases: dict[str, tuple[Group, bytes]]
-    ) -> dict[bytes, list[Group]]:
-        """The one lease loop of rollout and reward work: while a `role` worker has credit (the one with
-        the fewest leases first) and `take` gives a group, lease it to that worker for one credit and
-        record the lease in `leases`. Returns the groups per worker, in order."""
-        batches: dict[bytes, list[Group]] = {}
-        while (worker := self._worker_with_credit(role)) is not None:
-            group = take()
-            if group is None:
-                break
-            worker.credits -= 1
-            worker.leased.add(group.group_id)
-            leases[group.group_id] = (group, worker.identity)
-            batches.setdefault(worker.identity, []).append(group)
-        return batches
 
     def _new_group(self) -> Group:
         epoch, prompt = self.cursor.next()
@@ -476,19 +442,12 @@ class BrokerState:
         if self.journal is not None:
             self.journal.append(record)
 
-    def _worker_with_credit(self, role: str) -> WorkerInfo | None:
-        candidates = [w for w in self.workers.values() if w.role == role and w.credits > 0]
-        if not candidates:
-            return None
-        # The worker with the fewest leases first: spreads work evenly over workers.
-        return min(candidates, key=lambda w: (len(w.leased), -w.credits))
-
     # --- results -------------------------------------------------------------------------------
 
     def on_generated(self, identity: bytes, groups: list[Group]) -> list[str]:
         """Accept generated groups leased to this worker; others are late duplicates and dropped."""
         accepted = []
-        worker = self.workers.get(identity)
+        worker = self.registry.get(identity)
         for group in groups:
             lease = self.generating.get(group.group_id)
             if lease is None or lease[1] != identity:
@@ -508,12 +467,12 @@ class BrokerState:
 
     def dispatch_scoring(self) -> Outgoing:
         """Hand generated groups to reward workers with credits, as `ScoringGroup`s (texts only)."""
-        batches = self._lease_out("reward", lambda: self.to_score.popleft() if self.to_score else None, self.scoring)
+        batches = self.registry.lease_out("reward", lambda: self.to_score.popleft() if self.to_score else None, self.scoring)
         return [(identity, ScoreGroups(groups=[ScoringGroup.of(g) for g in groups])) for identity, groups in batches.items()]
 
     def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:
         accepted = []
-        worker = self.workers.get(identity)
+        worker = self.registry.get(identity)
         for score in scores:
             lease = self.scoring.get(score.group_id)
             if lease is None or lease[1] != identity:
@@ -648,16 +607,16 @@ class BrokerState:
             "batch_wait_s": now - pending.since,
             # Cumulative busy seconds reported by the workers' heartbeats: the trainer logs them so
             # engine idle time can be computed over any window of steps.
-            "rollout_busy_s": self._sum_stat("rollout", "busy_s"),
-            "rollout_update_s": self._sum_stat("rollout", "update_s"),
+            "rollout_busy_s": self.registry.sum_stat("rollout", "busy_s"),
+            "rollout_update_s": self.registry.sum_stat("rollout", "update_s"),
             # The weight update's parts inside the engines, and what they generated (cumulative).
-            "rollout_fetch_s": self._sum_stat("rollout", "fetch_s"),
-            "rollout_load_s": self._sum_stat("rollout", "load_s"),
-            "rollout_paused_s": self._sum_stat("rollout", "paused_s"),
-            "rollout_update_bytes": self._sum_stat("rollout", "update_bytes"),
-            "rollout_updates": self._sum_stat("rollout", "updates"),
-            "rollout_tokens": self._sum_stat("rollout", "tokens"),
-            "reward_busy_s": self._sum_stat("reward", "busy_s"),
+            "rollout_fetch_s": self.registry.sum_stat("rollout", "fetch_s"),
+            "rollout_load_s": self.registry.sum_stat("rollout", "load_s"),
+            "rollout_paused_s": self.registry.sum_stat("rollout", "paused_s"),
+            "rollout_update_bytes": self.registry.sum_stat("rollout", "update_bytes"),
+            "rollout_updates": self.registry.sum_stat("rollout", "updates"),
+            "rollout_tokens": self.registry.sum_stat("rollout", "tokens"),
+            "reward_busy_s": self.registry.sum_stat("reward", "busy_s"),
         }
         if self.group_filter is not None:
             stats.update(self._filter_stats())
@@ -728,9 +687,6 @@ class BrokerState:
             "rollout/over_sampling_margin": float(self.over_sampling_margin),
         }
 
-    def _sum_stat(self, role: str, key: str) -> float:
-        return float(sum(float(w.stats.get(key, 0.0)) for w in self.workers.values() if w.role == role))
-
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
         """The trainer finished `step`. Idempotent: a repeated report (after a reconnect, or of a
         replayed step) changes nothing. The broker's record of the step's batch decides which groups
@@ -798,7 +754,7 @@ class BrokerState:
             self.weight_endpoint = endpoint
             self._record(JournalPublished(version=self.published_version, endpoint=endpoint))
             announce = WeightVersionAnnounce(version=self.published_version, endpoint=endpoint)
-            out = [(w.identity, announce) for w in self.workers.values() if w.role == "rollout"]
+            out = [(w.identity, announce) for w in self.registry.of_role("rollout")]
         if step is not None and self.evals is not None and self.evals.is_due(step):
             groups = self.evals.start(step, version, now)
             self.eval_queue.extend(groups)
@@ -812,7 +768,7 @@ class BrokerState:
             self.counters["eval_runs_done"] += len(finished)
             self.eval_outbox.extend(finished)
         out: Outgoing = []
-        trainers = [w for w in self.workers.values() if w.role == "trainer"]
+        trainers = self.registry.of_role("trainer")
         if self.eval_outbox and trainers:
             out = [(t.identity, result) for result in self.eval_outbox for t in trainers]
             self.eval_outbox = []
