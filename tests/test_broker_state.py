@@ -321,7 +321,7 @@ def test_zero_std_groups_are_filtered_counted_and_their_slots_refilled() -> None
     assert score_with(state, {a.group_id: [1.0, 1.0], b.group_id: [1.0, 0.0]}) == [a.group_id, b.group_id]
     assert list(state.buffer) == [b.group_id], "the all-correct group never enters the buffer"
     assert state.counters["groups_filtered"] == 1 and state.counters["groups_filter_kept"] == 1
-    assert state.filter_reasons == {"zero_std_1.0": 1}
+    assert state.dynamic.reasons == {"zero_std_1.0": 1}
     assert state.committed == 1, "the filtered group is accounted as filtered, not committed"
     [refill] = dispatched(state.dispatch())
     assert refill.group_id not in (a.group_id, b.group_id), "its slot goes to a fresh prompt"
@@ -366,21 +366,21 @@ def test_a_filter_error_keeps_the_group_and_is_counted() -> None:
 def test_over_sampling_admits_for_the_expected_keep_rate_up_to_the_user_cap() -> None:
     state = make_filtered_state(batch=4, staleness=1, over_sampling=6)
     # Staleness allows 2 steps x 4 groups; nothing kept yet, so 8 groups must still be found.
-    assert state.expected_keep_rate == pytest.approx(4 / 6), "before any decision: the user's N/B"
+    assert state.dynamic.expected_keep_rate == pytest.approx(4 / 6), "before any decision: the user's N/B"
     assert state.admission_limit == 12 and state.over_sampling_margin == 4
-    state.filter_window.extend([True] * 4)
-    assert state.expected_keep_rate == 1.0 and state.over_sampling_margin == 0, "a filter that drops nothing costs nothing"
-    state.filter_window.clear()
-    state.filter_window.extend([True, True, True, False] * 2)  # keep rate 3/4: ceil(8 / 0.75) = 11 in flight
+    state.dynamic.window.extend([True] * 4)
+    assert state.dynamic.expected_keep_rate == 1.0 and state.over_sampling_margin == 0, "a filter that drops nothing costs nothing"
+    state.dynamic.window.clear()
+    state.dynamic.window.extend([True, True, True, False] * 2)  # keep rate 3/4: ceil(8 / 0.75) = 11 in flight
     assert state.admission_limit == 11 and state.over_sampling_margin == 3
-    state.filter_window.extend([False] * 12)  # keep rate 0.3: floored at 4/6
+    state.dynamic.window.extend([False] * 12)  # keep rate 0.3: floored at 4/6
     assert state.admission_limit == 12
     # Kept groups need no margin: with 6 of the 8 found, 2 more are needed -> ceil(2 / (4/6)) = 3 in flight.
     state.add_credit(ROLLOUT, 6)
     for g in dispatched(state.dispatch())[:6]:
         run_group_through(state, g, 0)
     score_with(state, default=[1.0, 0.0])
-    assert len(state.buffer) == 6 and state.keep_rate == pytest.approx(12 / 26)
+    assert len(state.buffer) == 6 and state.dynamic.keep_rate == pytest.approx(12 / 26)
     assert state.admission_limit == 6 + 3 and state.over_sampling_margin == 1
     no_filter = make_state(batch=4, staleness=1)
     no_filter.settings.over_sampling_batch_size = 6

@@ -207,13 +207,13 @@ class BrokerServer:
         self._write_status(now)
 
     def _warn_if_filter_starves(self) -> None:
-        streak = self.state.filter_streak
+        streak = self.state.dynamic.streak
         if streak < self._first_streak_warning:
             self._streak_warn_at = self._first_streak_warning
         elif streak >= self._streak_warn_at:
             self._streak_warn_at *= 2
             log.warning(
-                "dynamic_filter_starving", dropped_in_a_row=streak, reasons=dict(self.state.filter_reasons.most_common(3)),
+                "dynamic_filter_starving", dropped_in_a_row=streak, reasons=dict(self.state.dynamic.reasons.most_common(3)),
                 hint="every recent group was filtered out; training waits until one is kept",
             )  # fmt: skip
 

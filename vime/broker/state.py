@@ -1,7 +1,9 @@
 """The broker's bookkeeping: where every prompt group is, who may get more work, and what is stale.
 
 This module is pure logic (no sockets, time passed in) so it can be unit-tested exhaustively. The
-server (`vime.broker.server`) feeds it decoded messages and sends what it returns.
+server (`vime.broker.server`) feeds it decoded messages and sends what it returns. Parts with their
+own state and tests: `vime.broker.workers` (the workers, their credits and leases) and
+`vime.broker.dynamic_sampling` (the filter's decisions and the keep rate admission uses).
 
 A group moves through: retry queue / prompt cursor -> generating (leased to a rollout worker) ->
 to_score -> scoring (leased to a reward worker) -> buffer -> training (sent to the trainer) -> trained.
@@ -58,8 +60,8 @@ in the batches of two different steps) are computed from independent records and
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,8 +73,8 @@ from vime.broker.journal import (
     JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalFinished, JournalPublished,
     JournalRecord, JournalStepDone,
 )
+from vime.broker.dynamic_sampling import DynamicSampling, GroupFilter
 from vime.broker.workers import WorkerInfo, WorkerRegistry
-from vime.filters import FilterDecision
 from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
 from vime.protocol.messages import (
     DispatchGroups,
@@ -174,10 +176,6 @@ class CannotServeStep(ProtocolError):
         super().__init__(ERROR_CANNOT_RESUME, detail)
 
 
-GroupFilter = Callable[[Group], FilterDecision]
-# Distinct filter drop reasons kept in the status; more are counted under "other" (a filter that puts
-# a group id in its reason must not grow the status without bound).
-MAX_FILTER_REASONS = 32
 
 
 class BrokerState:
@@ -187,15 +185,6 @@ class BrokerState:
     ) -> None:  # fmt: skip
         self.settings = settings
         self.cursor = cursor
-        self.group_filter = group_filter
-        # Keep/drop decisions of the most recent scored groups: the keep rate that sizes over-sampling.
-        # Four admission windows long: short enough to follow a rate that drifts as the policy learns,
-        # long enough that chance runs of drops do not make admission over-generate.
-        window = 4 * settings.lookahead_steps * (settings.over_sampling_batch_size or settings.rollout_batch_size)
-        self.filter_window: deque[bool] = deque(maxlen=max(window, settings.rollout_batch_size))
-        self.filter_reasons: Counter[str] = Counter()
-        self.filter_streak = 0  # groups dropped in a row: a filter that keeps nothing stalls training
-        self._filter_at_last_batch = (0, 0)
         self.evals: EvalTracker | None = None
         if settings.eval_interval is not None and eval_sets:
             self.evals = EvalTracker(
@@ -256,6 +245,14 @@ class BrokerState:
             "batches_resent": 0,
             "broker_restarts": 0,
         }
+        # The filter's keep-rate window is four admission windows long: short enough to follow a rate
+        # that drifts as the policy learns, long enough that chance runs of drops do not make admission
+        # over-generate.
+        self.dynamic = DynamicSampling(
+            group_filter, self.counters, rollout_batch_size=settings.rollout_batch_size,
+            over_sampling_extra=settings.over_sampling_extra,
+            window=4 * settings.lookahead_steps * (settings.over_sampling_batch_size or settings.rollout_batch_size),
+        )  # fmt: skip
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -343,24 +340,6 @@ class BrokerState:
         )
 
     @property
-    def keep_rate(self) -> float | None:
-        """Fraction of recently scored groups the filter kept; None until a batch's worth was seen."""
-        if self.group_filter is None or len(self.filter_window) < self.settings.rollout_batch_size:
-            return None
-        return sum(self.filter_window) / len(self.filter_window)
-
-    @property
-    def expected_keep_rate(self) -> float:
-        """The fraction of unscored groups admission expects the filter to keep: the recent keep rate,
-        floored at rollout_batch_size / over_sampling_batch_size (1.0 without over-sampling)."""
-        s = self.settings
-        if self.group_filter is None or s.over_sampling_extra == 0:
-            return 1.0
-        floor = s.rollout_batch_size / (s.rollout_batch_size + s.over_sampling_extra)
-        recent = self.keep_rate
-        return floor if recent is None else max(recent, floor)
-
-    @property
     def _base_limit(self) -> int:
         s = self.settings
         by_staleness = (self.published_version + s.max_staleness + 1) * s.groups_per_version
@@ -370,7 +349,7 @@ class BrokerState:
     def admission_limit(self) -> int:
         """Admit while `committed` is below this (see the module docstring)."""
         base = self._base_limit
-        rate = self.expected_keep_rate
+        rate = self.dynamic.expected_keep_rate
         if rate >= 1.0:
             return base
         kept = self.counters["groups_trained"] + len(self.training) + len(self.buffer)
@@ -517,7 +496,7 @@ class BrokerState:
             self._drop(group.group_id, "failed")
             return
         group.samples = kept
-        if self.group_filter is not None and not self._passes_filter(group):
+        if not self.dynamic.keeps(group):
             self._drop(group.group_id, "filtered")
             return
         self.buffer[group.group_id] = group
@@ -527,24 +506,6 @@ class BrokerState:
         """A training group leaves without being trained (counted by the caller); the reason is kept."""
         self.dropped[group_id] = reason
         self._record(JournalDropped(group_id=group_id, reason=reason))  # type: ignore[arg-type]
-
-    def _passes_filter(self, group: Group) -> bool:
-        """Run the dynamic sampling filter on a scored group and count the decision."""
-        decision = self.group_filter(group)  # type: ignore[misc]
-        self.filter_window.append(decision.keep)
-        if decision.error:
-            self.counters["filter_errors"] += 1
-        if decision.keep:
-            self.counters["groups_filter_kept"] += 1
-            self.filter_streak = 0
-            return True
-        self.counters["groups_filtered"] += 1
-        self.filter_streak += 1
-        reason = (decision.reason or "dropped")[:80]
-        if reason not in self.filter_reasons and len(self.filter_reasons) >= MAX_FILTER_REASONS:
-            reason = "other"
-        self.filter_reasons[reason] += 1
-        return False
 
     # --- training ------------------------------------------------------------------------------
 
@@ -618,8 +579,8 @@ class BrokerState:
             "rollout_tokens": self.registry.sum_stat("rollout", "tokens"),
             "reward_busy_s": self.registry.sum_stat("reward", "busy_s"),
         }
-        if self.group_filter is not None:
-            stats.update(self._filter_stats())
+        if self.dynamic.active:
+            stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
         self.pending_batch = None
         return [(pending.identity, TrainBatch(step=pending.step, groups=groups, stats=stats))]
 
@@ -648,7 +609,7 @@ class BrokerState:
         # With a dynamic sampling filter only a fraction of them will be kept: count that many of the most urgent.
         # Those already past their deadline are lost to the gate whatever happens: no reason to wait.
         savable = sorted(d for d in (v + limit for v in unfinished) if d >= pending.policy_version)
-        expected = math.ceil(len(savable) * self.expected_keep_rate - 1e-9)
+        expected = math.ceil(len(savable) * self.dynamic.expected_keep_rate - 1e-9)
         deadlines = savable[:expected]
         return not self._fits(left + deadlines, pending)
 
@@ -673,19 +634,6 @@ class BrokerState:
             slots += pending.n_groups
             step += 1
         return True
-
-    def _filter_stats(self) -> dict[str, float]:
-        """Dynamic sampling metrics for the trainer's log ("rollout/..." keys are logged as they are):
-        groups dropped and kept since the previous batch, the cumulative drop ratio, and the margin."""
-        dropped, kept = self.counters["groups_filtered"], self.counters["groups_filter_kept"]
-        last_dropped, last_kept = self._filter_at_last_batch
-        self._filter_at_last_batch = (dropped, kept)
-        return {
-            "rollout/dynamic_filter_dropped": float(dropped - last_dropped),
-            "rollout/dynamic_filter_kept": float(kept - last_kept),
-            "rollout/dynamic_filter_drop_ratio": dropped / max(1, dropped + kept),
-            "rollout/over_sampling_margin": float(self.over_sampling_margin),
-        }
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
         """The trainer finished `step`. Idempotent: a repeated report (after a reconnect, or of a
@@ -805,7 +753,7 @@ class BrokerState:
                 "training": len(self.training),
             },
             "counters": dict(self.counters),
-            "dynamic_sampling": self._dynamic_sampling_status(),
+            "dynamic_sampling": self.dynamic.status(self.settings.over_sampling_batch_size, self.over_sampling_margin),
             "eval": self.evals.status() if self.evals is not None else None,
             "workers": [
                 {
@@ -819,20 +767,4 @@ class BrokerState:
                 }
                 for w in self.workers.values()
             ],
-        }
-
-    def _dynamic_sampling_status(self) -> dict[str, Any] | None:
-        if self.group_filter is None:
-            return None
-        dropped, kept = self.counters["groups_filtered"], self.counters["groups_filter_kept"]
-        return {
-            "dropped": dropped,
-            "kept": kept,
-            "drop_ratio": round(dropped / max(1, dropped + kept), 4),
-            "recent_keep_rate": self.keep_rate,
-            "over_sampling_batch_size": self.settings.over_sampling_batch_size,
-            "over_sampling_margin": self.over_sampling_margin,
-            "dropped_in_a_row": self.filter_streak,
-            "errors": self.counters["filter_errors"],
-            "reasons": dict(self.filter_reasons),
         }
