@@ -1,5 +1,5 @@
 """The broker's side of dynamic sampling: the filter's decisions on scored groups, and the keep rate
-admission sizes over-sampling with (the rule itself: `vime.broker.state`'s module docstring).
+admission sizes over-sampling with (the rule itself: docs/broker.md, "Dynamic sampling").
 
 Owns the filter, a window of recent keep/drop decisions, the drop reasons (bounded), the run of drops
 in a row (a filter that keeps nothing stalls training; the server warns), and the per-batch metrics.

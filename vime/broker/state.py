@@ -1,60 +1,11 @@
 """The broker's bookkeeping: where every prompt group is, who may get more work, and what is stale.
 
-This module is pure logic (no sockets, time passed in) so it can be unit-tested exhaustively. The
-server (`vime.broker.server`) feeds it decoded messages and sends what it returns. Parts with their
-own state and tests: `vime.broker.workers` (the workers, their credits and leases) and
-`vime.broker.dynamic_sampling` (the filter's decisions and the keep rate admission uses).
-
-A group moves through: retry queue / prompt cursor -> generating (leased to a rollout worker) ->
-to_score -> scoring (leased to a reward worker) -> buffer -> training (sent to the trainer) -> trained.
-
-Staleness (weight versions are publication counts; tokens carry the version that produced them):
-- Gate: a buffered group is trainable at policy version P iff P - oldest_token_version <= max_staleness.
-- Admission (AReaL-style): a group is only dispatched while
-  committed < (published_version + max_staleness + 1) * rollout_batch_size * update_weights_interval,
-  and is dispatched with `min_weight_version = published_version`, so every admitted group passes the
-  gate by construction; nothing is generated only to be thrown away, and long responses are not
-  dropped for being slow. `max_staleness = 0` is synchronous on-policy training.
-- Batches take the trainable groups with the earliest deadline first (deadline: the last policy version
-  that may train a group, its oldest token version + max_staleness), and a batch waits rather than leave
-  a group that is still generating or scoring without a step to train it before its deadline. Without
-  that wait, shorter groups dispatched later overtake a long one, fill the batches of its last
-  admissible version, and the gate then drops it: measured by `bench/length_bias.py`, that trained
-  responses 9-20 % shorter than the generated ones (docs/length-bias.md). Waiting only happens when the
-  rollout side is the bottleneck and a long group is due; it costs throughput there, not correctness.
-
-Dynamic sampling (`vime.filters`): a scored group the filter drops (e.g. all rewards equal: no GRPO
-signal) never enters the buffer. Like a group whose samples all failed, it leaves `committed`, so
-admission hands its slot to a fresh prompt and every step still gets `rollout_batch_size` useful
-groups. Refilling only after a drop costs a generation round trip, so with `over_sampling_batch_size`
-N the limit above bounds the groups expected to be *kept*: with K groups kept (buffered, training or
-trained) and the rest unscored, admission continues while
-  unscored < (limit - K) / r,   r = max(recent keep rate, rollout_batch_size / N)
-(N / rollout_batch_size times as many groups in flight at most, fewer when the filter drops less;
-a filter that drops nothing costs no over-generation). More survivors than expected (chance) are
-trained later if still fresh, else dropped by the gate and counted as stale. Filtered groups are
-counted (total and by reason), never lost:
-  groups_admitted = committed + groups_filtered + groups_failed + groups_dropped_stale.
-
-Eval (`vime.eval`): when the trainer publishes weights after a step due for eval, the run's groups
-(kind "eval", pinned to that weight version) go to rollout workers ahead of training work, then to
-reward workers, then to the eval tracker, never to the buffer; they are outside `committed` and the
-admission limit. The finished run's metrics go to the trainer as `EvalResult`. After the last step the
-job finishes once every eval run (including the final step's) has been delivered.
-
-Leases: a worker that says Bye or stays silent past its timeout loses its leased groups; generating
-groups go back to the retry queue (regenerated from scratch), scoring groups back to the scoring queue.
-A late result for a group no longer leased to that worker is dropped by id and counted.
-
-Durability (`vime.broker.journal`, `vime.broker.recovery`): every change that matters for "nothing
-lost, nothing trained twice" is appended to `self.journal` as it happens: admissions (the prompt
-cursor), scored groups entering the buffer (with their payload), drops, the batch of each step, finished
-steps, trainer checkpoints and published versions. Batches are recorded per step: a trainer that asks
-again for a step (its reply was lost, the broker restarted, or the trainer resumed from a checkpoint)
-gets exactly the same groups. Trained groups stay replayable until the trainer reports a checkpoint
-that covers them (only when the job saves checkpoints). `groups_lost` (admitted training groups that are
-nowhere: not trained, not dropped with a reason, not in any queue) and `groups_trained_twice` (a group
-in the batches of two different steps) are computed from independent records and must stay 0.
+Pure logic (no sockets, time passed in), so it can be unit-tested exhaustively; the server
+(`vime.broker.server`) feeds it decoded messages and sends what it returns. Parts with their own state
+and tests: `vime.broker.workers` (the workers, their credits and leases) and
+`vime.broker.dynamic_sampling` (the filter's decisions and the keep rate admission uses). The design
+(a group's life, the staleness gate and admission, dynamic sampling, eval, leases, durability and the
+loss/duplication ledgers): docs/broker.md.
 """
 
 from __future__ import annotations
@@ -347,7 +298,7 @@ class BrokerState:
 
     @property
     def admission_limit(self) -> int:
-        """Admit while `committed` is below this (see the module docstring)."""
+        """Admit while `committed` is below this (docs/broker.md, "Staleness")."""
         base = self._base_limit
         rate = self.dynamic.expected_keep_rate
         if rate >= 1.0:
@@ -586,7 +537,7 @@ class BrokerState:
 
     def _would_strand_unfinished(self, pending: PendingBatch, left_buffered: list[str]) -> bool:
         """True if sending this batch now would leave a group still generating or scoring with no step
-        left to train it before it turns stale, where waiting for it would not (module docstring).
+        left to train it before it turns stale, where waiting for it would not (docs/broker.md).
 
         Every training group has a deadline: the last policy version that may train it (its oldest token
         version + max_staleness; for an unfinished group the version it was dispatched with, a lower
