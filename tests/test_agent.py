@@ -252,6 +252,24 @@ def test_env_tokens_carry_the_version_of_the_model_turn_before_them_across_a_wei
     assert sample.min_version == 3
 
 
+def test_a_first_observation_takes_the_version_of_the_model_token_after_it() -> None:
+    """An environment that speaks first (reset returns text): its tokens come before any model token.
+    They were stamped version 0, so at weight version 5 the staleness gate saw a sample 5 versions old
+    and dropped it; they now carry the first model token's version."""
+    from vime.agent.multiturn import generate
+
+    class Greeter(EchoEnvironment):
+        async def reset(self, sample: Trajectory) -> str | None:
+            return "ab"
+
+    engine = ScriptedEngine(lambda prompt: [1, 2])
+    engine.version = 5
+    outcome = run_group(generate, engine, prompt=[20], n=1, tokenizer=LossyTokenizer(), env_factory=lambda s, c: Greeter(2))
+    [sample] = outcome.samples
+    assert sample.loss_mask.tolist() == [0, 1, 1, 0, 1, 1]  # "ab" encodes to one token
+    assert sample.token_versions.tolist() == [5] * 6 and sample.min_version == 5
+
+
 def test_turn_and_token_budgets_truncate_the_trajectory() -> None:
     from vime.agent.multiturn import generate
 

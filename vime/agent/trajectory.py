@@ -24,6 +24,10 @@ import numpy as np
 from vime.rollout.base import GeneratedSample
 
 
+# The weight version of environment tokens that precede every model token, until `finish` knows it.
+UNKNOWN_VERSION = -1
+
+
 class TrajectoryError(ValueError):
     """A generate function returned a trajectory that cannot be trained on; the message says why."""
 
@@ -115,10 +119,12 @@ class Trajectory:
 
     def add_env_turn(self, tokens: list[int], text: str = "") -> None:
         """Append environment or tool output (not trained: loss mask 0, logprob 0). Its tokens carry
-        the version of the model token before them, so they never make the sample look staler."""
+        the version of the model token before them, so they never make the sample look staler; those
+        before the first model token are `UNKNOWN_VERSION` until `finish` gives them the first model
+        token's version."""
         self._ensure_lists()
         n = len(tokens)
-        version = self.weight_versions[-1] if self.weight_versions else 0  # type: ignore[index]
+        version = self.weight_versions[-1] if self.weight_versions else UNKNOWN_VERSION  # type: ignore[index]
         self.tokens.extend(int(t) for t in tokens)
         self.loss_mask.extend([0] * n)  # type: ignore[union-attr]
         self.rollout_log_probs.extend([0.0] * n)  # type: ignore[union-attr]
@@ -167,8 +173,11 @@ class Trajectory:
         mask = np.ones(n, dtype=np.uint8) if self.loss_mask is None else _exact(self.loss_mask, n, np.uint8, "loss_mask", self.index)
         if mask.size and mask.max() > 1:
             raise TrajectoryError(f"sample {self.index}: loss_mask must hold only 0 and 1")
-        filled = fill.fill(self.tokens, self.prompt_length) if fill is not None else None
-        if self.rollout_log_probs is not None and len(self.rollout_log_probs) == n:
+        has_logprobs = self.rollout_log_probs is not None and len(self.rollout_log_probs) == n
+        has_versions = self.weight_versions is not None and len(self.weight_versions) == n
+        # Only a function that left something out needs the engine calls matched against its tokens.
+        filled = fill.fill(self.tokens, self.prompt_length) if fill is not None and not (has_logprobs and has_versions) else None
+        if has_logprobs:
             logprobs = np.asarray(self.rollout_log_probs, dtype=np.float32)
         elif filled is not None and filled[0] is not None:
             logprobs = filled[0]
@@ -177,8 +186,8 @@ class Trajectory:
                 f"sample {self.index}: rollout_log_probs has {len(self.rollout_log_probs or [])} entries for "
                 f"{n} response tokens, and some trained tokens were not sampled by the engine handle"
             )
-        if self.weight_versions is not None and len(self.weight_versions) == n:
-            versions = np.asarray(self.weight_versions, dtype=np.int32)
+        if has_versions:
+            versions = fill_unknown_versions(np.asarray(self.weight_versions, dtype=np.int32))
         elif filled is not None:
             versions = filled[1]
         else:
@@ -232,7 +241,7 @@ class CallRecord:
         the last sampled token before them. Logprobs are None when none of the calls matched."""
         n = len(tokens) - prompt_length
         logprobs = np.full(n, np.nan, dtype=np.float32)
-        versions = np.full(n, -1, dtype=np.int32)
+        versions = np.full(n, UNKNOWN_VERSION, dtype=np.int32)
         matched = False
         for call in self.calls:
             end = call.start + len(call.tokens)
@@ -241,11 +250,23 @@ class CallRecord:
             matched = True
             logprobs[call.start - prompt_length : end - prompt_length] = call.logprobs
             versions[call.start - prompt_length : end - prompt_length] = call.versions
-        last = max((v for c in self.calls for v in c.versions[:1]), default=0)
-        for i in range(n):  # environment tokens: the version of the model token before them
-            if versions[i] < 0:
-                versions[i] = versions[i - 1] if i else (self.calls[0].versions[0] if self.calls and self.calls[0].versions else last)
-        return (logprobs if matched else None), versions
+        first_call = next((c.versions[0] for c in self.calls if c.versions), 0)
+        return (logprobs if matched else None), fill_unknown_versions(versions, first_call)
+
+
+def fill_unknown_versions(versions: np.ndarray, default: int = 0) -> np.ndarray:
+    """`versions` with every `UNKNOWN_VERSION` (environment tokens) set to the version of the model
+    token before it, or, before the first model token, of the first one after it (`default` when there
+    is none): environment tokens never make a sample look staler than its model tokens."""
+    unknown = versions == UNKNOWN_VERSION
+    if not unknown.any():
+        return versions
+    known = np.flatnonzero(~unknown)
+    if not len(known):
+        return np.full_like(versions, default)
+    # Index of the last known position at or before each token; before the first, the first known.
+    last_known = np.maximum.accumulate(np.where(unknown, -1, np.arange(len(versions))))
+    return versions[np.where(last_known < 0, known[0], last_known)]
 
 
 def _exact(values: list[Any], n: int, dtype: Any, name: str, index: int) -> np.ndarray:
