@@ -120,9 +120,7 @@ async def generate_group(
     tasks = [asyncio.ensure_future(one(i)) for i in range(n_samples)]
     try:
         done = await asyncio.gather(*tasks)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # a cancellation (BaseException) passes through
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,6 +13,7 @@ turn finished by "length" without calling the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,19 +33,19 @@ def sampling_from(value: SamplingConfig | Mapping[str, Any], default: SamplingCo
     """A `SamplingConfig` from a config or a slime/vLLM-style dict layered over `default`."""
     if isinstance(value, SamplingConfig):
         return value
-    fields: dict[str, Any] = {k: getattr(default, k) for k in _KEYS}
+    overrides: dict[str, Any] = {}
     for key, item in value.items():
         name = _ALIASES.get(key, key)
         if name in _KEYS:
             if item is not None:
-                fields[name] = item
+                overrides[name] = item
         elif key not in _warned:
             _warned.add(key)
             log.warning("sampling_key_ignored", key=key, hint="vime's engines take token ids: stop strings and "
                         "detokenizer options do not apply; use stop_token_ids")  # fmt: skip
-    if fields["top_k"] in (-1, None):
-        fields["top_k"] = 0  # SGLang/vLLM's "disabled"
-    return SamplingConfig(**fields)
+    if overrides.get("top_k") == -1:
+        overrides["top_k"] = 0  # SGLang/vLLM's "disabled"
+    return dataclasses.replace(default, **overrides)
 
 
 class EngineHandle:
@@ -56,7 +57,6 @@ class EngineHandle:
         self.max_context_len = max_context_len
         self.record = CallRecord()
         self.calls = 0
-        self.tokens_sampled = 0
 
     @property
     def weight_version(self) -> int:
@@ -71,7 +71,7 @@ class EngineHandle:
             if room <= 0:
                 return ModelTurn(tokens=[], logprobs=[], versions=[], finish_reason="length")
             if room < params.max_tokens:
-                params = SamplingConfig(**{**{k: getattr(params, k) for k in _KEYS}, "max_tokens": room})
+                params = dataclasses.replace(params, max_tokens=room)
         [sample] = await self._engine.generate(prompt, n=1, sampling=params)
         turn = ModelTurn(
             tokens=[int(t) for t in sample.response_tokens],
@@ -84,5 +84,4 @@ class EngineHandle:
         )
         self.record.add(prompt, turn)
         self.calls += 1
-        self.tokens_sampled += len(turn.tokens)
         return turn

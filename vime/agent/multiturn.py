@@ -42,7 +42,6 @@ async def _take_turns(args: Any, env: Any, sample: Trajectory, sampling_params: 
     sample.count("env_s", time.perf_counter() - started)
     if first:
         _append_observation(args, sample, EnvStep(observation=first))
-    context_limit = args.rollout_max_context_len
     for _ in range(args.max_turns):
         turn = await args.engine.generate(sample.tokens, sampling_params)
         sample.add_model_turn(turn)
@@ -57,10 +56,7 @@ async def _take_turns(args: Any, env: Any, sample: Trajectory, sampling_params: 
         if step.done:
             sample.status = Status.COMPLETED  # the environment judged the trajectory finished
             return sample
-        if not _append_observation(args, sample, step):
-            sample.status = Status.TRUNCATED
-            return sample
-        if context_limit is not None and sample.context_length >= context_limit:
+        if not _append_observation(args, sample, step):  # it appends only what leaves room for a turn
             sample.status = Status.TRUNCATED
             return sample
     sample.status = Status.TRUNCATED  # out of turns before the environment said done

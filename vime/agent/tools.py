@@ -56,9 +56,7 @@ class RemoteTools:
     answer is the call's own fault (`ToolCallError`), no answer at all is `ToolUnavailable`."""
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2) -> None:
-        self.url = url.rstrip("/")
-        self.retries = retries
-        self._client = JsonClient(self.url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+        self._client = JsonClient(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
 
     async def aclose(self) -> None:
         await self._client.aclose()
