@@ -1,8 +1,9 @@
 """Run a FastAPI app under uvicorn the way vime's servers do: structlog lines, the real port logged.
 
-Shared by `vime-reward-server` and `vime-tool-server`: bind first (so `--port 0` picks a free port and
-the log says which), forward uvicorn's stdlib log records to structlog, uvloop + httptools, keep-alive
-on, and a bounded graceful shutdown on SIGTERM/SIGINT.
+Shared by `vime-reward-server` and `vime-tool-server`: bind and listen first (so `--port 0` picks a free
+port, the log says which, and a client that connects as soon as it reads that line is served), forward
+uvicorn's stdlib log records to structlog, uvloop + httptools, keep-alive on, and a bounded graceful
+shutdown on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ def serve(app: Any, host: str, port: int, *, listening_event: str, **fields: Any
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    bound = sock.getsockname()[1]
     config = uvicorn.Config(
         app, log_config=None, access_log=False, loop="uvloop", http="httptools", lifespan="on",
         timeout_keep_alive=30, timeout_graceful_shutdown=5,
     )  # fmt: skip
+    # Listening before the "listening" line: a client that reads it and connects at once waits in the
+    # kernel's queue until uvicorn accepts, instead of being refused while uvicorn starts.
+    sock.listen(config.backlog)
+    bound = sock.getsockname()[1]
     get_logger("vime.http").info(listening_event, host=host, port=bound, url=f"http://{host}:{bound}", **fields)
     uvicorn.Server(config).run(sockets=[sock])
