@@ -489,6 +489,11 @@ class VimeConfig(BaseModel):
         }
 
     @property
+    def agent_rollout(self) -> bool:
+        """Whether rollout workers generate through `vime.agent` (a generate function or an environment)."""
+        return bool(self.custom_generate_function_path or self.environment_path or self.environment_url)
+
+    @property
     def samples_per_step(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
 

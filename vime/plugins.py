@@ -92,3 +92,17 @@ def load_function(
     if not callable(fn):
         raise error(f"{target}:{attr} is a {type(fn).__name__}, not a callable (from {flag} {spec!r})")
     return fn  # type: ignore[no-any-return]
+
+
+def split_named_specs(specs: list[str], flag: str, error: type[PluginLoadError] = PluginLoadError) -> list[tuple[str, str]]:
+    """`NAME=SPEC` entries (`--tool`, `--environment`) as (name, spec) pairs; raises `error` for an entry
+    without a name or a spec, and for a name given twice."""
+    pairs: list[tuple[str, str]] = []
+    for entry in specs:
+        name, sep, spec = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not spec:
+            raise error(f"{flag} {entry!r}: expected NAME=path/to/file.py:function or NAME=module:function")
+        if name in dict(pairs):
+            raise error(f"{flag}: the name {name!r} is given twice")
+        pairs.append((name, spec))
+    return pairs

@@ -31,7 +31,7 @@ class AgentRollout:
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None) -> AgentRollout | None:
         """None when the job samples plainly; raises PluginLoadError for a bad spec (at start-up)."""
-        if not cfg.custom_generate_function_path and not cfg.environment_path and not cfg.environment_url:
+        if not cfg.agent_rollout:
             return None
         if cfg.custom_generate_function_path:
             fn = load_generate_function(cfg.custom_generate_function_path)

@@ -19,7 +19,8 @@ Routes:
   sessions idle for `--session-ttl-s` are dropped. An unknown environment or session is 404, an
   environment that raises 422: the client fails that trajectory.
 
-Sync tool functions run in worker threads, so a slow tool does not stop the server answering.
+Tools run as in a rollout worker (`vime.agent.tools.Tools.run`): sync functions in worker threads, so a
+slow tool does not stop the server answering.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vime.agent.calculator import calculator
 from vime.agent.environment import EnvContext, load_environment_factory, make_environment
-from vime.agent.tools import Tools, load_local_tools
+from vime.agent.tools import ToolCallError, Tools, load_local_tools
 from vime.agent.trajectory import ModelTurn, Trajectory
 from vime.http_server import serve
 from vime.logging import configure_logging, get_logger
-from vime.plugins import PluginLoadError
+from vime.plugins import PluginLoadError, split_named_specs
 
 log = get_logger("vime.tool_server")
 
@@ -174,20 +175,15 @@ def create_app(
 
     @app.post("/tools/{name}")
     async def call(name: str, body: ToolCall) -> Any:
-        fn = tools.get(name)
-        if fn is None:
+        if name not in tools:
             counts["unknown_tool"] += 1
             return JSONResponse({"error": f"unknown tool {name!r}; tools: {sorted(tools)}"}, status_code=404)
         counts[f"calls/{name}"] += 1
         try:
-            if inspect.iscoroutinefunction(fn):
-                result = await fn(**body.arguments)
-            else:
-                result = await asyncio.to_thread(fn, **body.arguments)
-        except Exception as exc:  # the call's fault (bad arguments, a tool error): the model is told
+            return {"result": await sessions.context.tools.run(name, body.arguments)}
+        except ToolCallError as exc:  # the call's fault (bad arguments, a tool error): the model is told
             counts[f"errors/{name}"] += 1
-            return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=422)
-        return {"result": str(result)}
+            return JSONResponse({"error": str(exc)}, status_code=422)
 
     @app.get("/tools")
     async def listing() -> dict[str, Any]:
@@ -220,22 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     try:
         tools = {**BUILTIN_TOOLS, **load_local_tools(args.tool)}
-        environments = {name: load_environment_factory(spec) for name, spec in _named(args.environment)}
-    except (PluginLoadError, ValueError) as exc:
+        environments = {name: load_environment_factory(spec) for name, spec in split_named_specs(args.environment, "--environment")}
+    except PluginLoadError as exc:
         print(f"vime-tool-server: {exc}", file=sys.stderr)
         sys.exit(2)
     serve(create_app(tools, environments, args.session_ttl_s), args.host, args.port, listening_event="tool_server_listening",
           tools=sorted(tools), environments=sorted(environments))  # fmt: skip
-
-
-def _named(specs: list[str]) -> list[tuple[str, str]]:
-    out = []
-    for spec in specs:
-        name, sep, target = spec.partition("=")
-        if not sep or not name.strip() or not target.strip():
-            raise ValueError(f"--environment {spec!r}: expected NAME=path/to/file.py:function or NAME=module:function")
-        out.append((name.strip(), target.strip()))
-    return out
 
 
 if __name__ == "__main__":

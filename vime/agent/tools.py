@@ -25,7 +25,7 @@ from typing import Any
 
 from vime.agent.http_json import JsonClient, ServiceUnavailable
 from vime.agent.trajectory import Trajectory
-from vime.plugins import PluginLoadError, load_function
+from vime.plugins import load_function, split_named_specs
 
 FLAG = "--tool"
 
@@ -40,15 +40,7 @@ class ToolUnavailable(RuntimeError):
 
 def load_local_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
     """`NAME=path.py:fn` / `NAME=module:fn` specs as a name -> function map; raises PluginLoadError."""
-    tools: dict[str, Callable[..., Any]] = {}
-    for spec in specs:
-        name, sep, target = spec.partition("=")
-        if not sep or not name.strip() or not target.strip():
-            raise PluginLoadError(f"{FLAG} {spec!r}: expected NAME=path/to/file.py:function or NAME=module:function")
-        if name in tools:
-            raise PluginLoadError(f"{FLAG}: the tool name {name!r} is given twice")
-        tools[name.strip()] = load_function(target.strip(), FLAG, what="tool file")
-    return tools
+    return {name: load_function(spec, FLAG, what="tool file") for name, spec in split_named_specs(specs, FLAG)}
 
 
 class RemoteTools:
@@ -88,14 +80,16 @@ class Tools:
         sample.count("tool_calls")
         started = time.perf_counter()
         try:
-            return await self._dispatch(name, arguments)
+            return await self.run(name, arguments)
         except (ToolCallError, ToolUnavailable):
             sample.count("tool_errors")
             raise
         finally:
             sample.count("env_s", time.perf_counter() - started)
 
-    async def _dispatch(self, name: str, arguments: Mapping[str, Any]) -> str:
+    async def run(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """The tool's result text, counted nowhere (the tool server's own route); errors as `call`'s.
+        Sync functions run in a thread, so a slow tool does not stop the event loop."""
         if not isinstance(arguments, Mapping):
             raise ToolCallError(f"arguments of tool {name!r} must be a JSON object, got {type(arguments).__name__}")
         fn = self.local.get(name)
@@ -108,7 +102,7 @@ class Tools:
             if inspect.isawaitable(result):
                 result = await result
         except TypeError as exc:
-            raise ToolCallError(f"bad arguments for tool {name!r}: {exc}") from None
+            raise ToolCallError(f"bad arguments for tool {name!r}: TypeError: {exc}") from None
         except Exception as exc:
             raise ToolCallError(f"tool {name!r} failed: {type(exc).__name__}: {exc}") from None
         return str(result)

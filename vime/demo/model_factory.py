@@ -293,7 +293,7 @@ def _segments(rng: random.Random, digits: int, task: str) -> list[tuple[list[int
     if task == "running_sum":
         a, b, c = running_sum.make_problem(rng, digits)
         return [
-            (_encode(f"{a}+{b}="), 0), (_encode(str(a + b)) + [EOS_ID], 1),
+            (_encode(arithmetic.format_prompt(a, b)), 0), (_encode(str(a + b)) + [EOS_ID], 1),
             (_encode(running_sum.observation(c)), 0), (_encode(str(a + b + c)) + [EOS_ID], 1),
         ]  # fmt: skip
     if task != "arithmetic":

@@ -17,7 +17,7 @@ from typing import Any
 
 from vime.agent.environment import EnvContext, EnvStep
 from vime.agent.trajectory import ModelTurn, Trajectory
-from vime.demo.arithmetic import arithmetic_reward
+from vime.demo.arithmetic import arithmetic_reward, format_prompt
 
 TASK_NAME = "running_sum"
 
@@ -44,7 +44,7 @@ def make_prompts(n: int, seed: int = 0, digits: int = 2) -> list[dict[str, Any]]
     for index in range(n):
         a, b, c = make_problem(rng, digits)
         rows.append({
-            "prompt": f"{a}+{b}=",
+            "prompt": format_prompt(a, b),
             "label": str(a + b + c),
             "metadata": {"task": TASK_NAME, "a": a, "b": b, "operands": [c], "index": index, "seed": seed},
         })  # fmt: skip
