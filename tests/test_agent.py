@@ -619,3 +619,20 @@ def test_an_unreachable_environment_server_fails_the_group() -> None:
     outcome = run_group(generate, ScriptedEngine(lambda p: [1]), prompt=[20], tokenizer=LossyTokenizer(), env_factory=factory)
     asyncio.run(factory.aclose())
     assert outcome.failure is not None and "EnvironmentFailure" in outcome.failure and "gave no answer" in outcome.failure
+
+
+def test_bad_tool_environment_and_url_specs_fail_at_start_naming_the_flag() -> None:
+    from vime.agent.tools import load_local_tools
+    from vime.config import ConfigError, load_config
+    from vime.plugins import PluginLoadError, split_named_specs
+
+    for bad in (["calculator"], ["=vime.agent.calculator:calculator"], ["calc="]):
+        with pytest.raises(PluginLoadError, match="--tool .*expected NAME=path/to/file.py:function"):
+            load_local_tools(bad)
+    with pytest.raises(PluginLoadError, match="--environment: the name 'sum' is given twice"):
+        split_named_specs(["sum=a.py:f", " sum =b.py:g"], "--environment")
+    for url in ("http://h:1/tools/x", "h:1/environments/x", "http://h:1/environments/"):
+        with pytest.raises(ConfigError, match="environment_url"):
+            load_config(None, {"environment_url": url})
+    with pytest.raises(ConfigError, match="environment_path and environment_url both"):
+        load_config(None, {"environment_url": "http://h:1/environments/x", "environment_path": "e.py:f"})
