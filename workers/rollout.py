@@ -355,7 +355,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         engine_core=cfg.rollout_engine_core,
     )  # fmt: skip
     agent = None
-    if cfg.custom_generate_function_path or cfg.environment_path or cfg.environment_url:
+    if cfg.agent_rollout:
         from vime.agent.rollout import AgentRollout  # aiohttp and the user's code: only where asked for
 
         agent = AgentRollout.from_config(cfg)  # a bad spec fails here, before the engine starts
