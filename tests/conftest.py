@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -57,3 +60,23 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+def start_tool_server(log_path: Path, *args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+    """A `vime-tool-server` process on a free port, logging to `log_path`, and its URL, read from its
+    `tool_server_listening` line (an info line: the level is set here, whatever the environment of the
+    test process says). Raises RuntimeError with the log's end if it exits or stays silent."""
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", *args],
+            cwd=REPO, env=run_env(VIME_LOG_LEVEL="INFO"), stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        for line in log_path.read_text().splitlines():
+            if '"tool_server_listening"' in line:
+                return process, json.loads(line)["url"]
+        time.sleep(0.05)
+    process.kill()
+    process.wait(timeout=10)
+    raise RuntimeError(f"the tool server did not start (exit code {process.returncode}):\n{log_path.read_text()[-3000:]}")

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import REPO, run_env
+from conftest import REPO, start_tool_server
 from vime.agent import EnvStep, ModelTurn, Status, ToolCallError, Tools, ToolUnavailable, Trajectory
 from vime.agent.calculator import calculator
 from vime.agent.custom_generate import CustomGenerateError, generate_group, load_generate_function
@@ -348,21 +345,10 @@ def tool_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
     multi-turn demo's environment."""
     folder = tmp_path_factory.mktemp("tools")
     (folder / "user_tools.py").write_text("def fail(reason):\n    raise RuntimeError(reason)\n")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", "--tool", f"fail={folder / 'user_tools.py'}:fail",
-         "--environment", "running_sum=vime.demo.running_sum:make_environment"],
-        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    url = None
-    deadline = time.monotonic() + 60
-    assert process.stdout is not None
-    while url is None and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if '"tool_server_listening"' in line:
-            url = json.loads(line)["url"]
-    assert url is not None, "the tool server did not start"
+    process, url = start_tool_server(
+        folder / "server.log", "--tool", f"fail={folder / 'user_tools.py'}:fail",
+        "--environment", "running_sum=vime.demo.running_sum:make_environment",
+    )
     yield url
     process.terminate()
     process.wait(timeout=10)

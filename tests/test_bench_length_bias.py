@@ -98,9 +98,12 @@ def test_synchronous_training_has_no_staleness() -> None:
     assert sync.staleness_mean == 0.0
 
 
-def test_main_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_prints_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
+    # main() quiets the logs of its own process through the environment; undone after the test, so the
+    # servers later tests start in this worker still announce their ports in info lines.
+    monkeypatch.setenv("VIME_LOG_LEVEL", "WARNING")
     args = ["--json", "--seeds", "1", "--jobs", "1", "--partial", "on", "--staleness", "1", "--eager-fill", "",
             "--steps", "10", "--batch", "4", "--n-samples", "2", "--workers", "1", "--num-prompts", "500"]  # fmt: skip
     assert lb.main(args) == 0

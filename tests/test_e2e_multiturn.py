@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_env
+from conftest import REPO, run_env, start_tool_server
 from test_e2e import free_port, logged_events, read_jsonl
 
 STEPS, GROUPS, SAMPLES = 3, 4, 4
@@ -117,13 +117,8 @@ def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(tmp_path: P
 @pytest.mark.e2e
 def test_the_pipeline_with_the_environment_on_an_environment_server(tiny_model: Path, tmp_path: Path) -> None:
     """`--environment-url`: the same trajectories with the environment in a `vime-tool-server` process."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vime.agent.tool_server", "--port", "0", "--environment", "running_sum=vime.demo.running_sum:make_environment"],
-        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    server, url = start_tool_server(tmp_path / "server.log", "--environment", "running_sum=vime.demo.running_sum:make_environment")
     try:
-        assert server.stdout is not None
-        url = next(json.loads(line)["url"] for line in server.stdout if '"tool_server_listening"' in line)
         run_dir = tmp_path / "run"
         result = run_multiturn(run_dir, tiny_model, "--environment-url", f"{url}/environments/running_sum",
                                "--environment-path", "")  # fmt: skip
