@@ -63,7 +63,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vime.broker.state import BrokerSettings, BrokerState, PendingBatch  # noqa: E402
+from vime.broker.batches import BatchPlanner  # noqa: E402
+from vime.broker.settings import BrokerSettings  # noqa: E402
+from vime.broker.state import BrokerState  # noqa: E402
 from vime.data.prompts import Prompt, PromptCursor  # noqa: E402
 from vime.protocol.messages import (  # noqa: E402
     DispatchGroups,
@@ -160,38 +162,44 @@ class EventLoop:
 # --- the broker before the fix, modelled here only -----------------------------------------------
 
 
-class EagerFillState(BrokerState):
-    """NOT vime's broker any more: `BrokerState` with its batch rule from before the fix, for comparison.
+class EagerFillPlanner(BatchPlanner):
+    """NOT vime's batch planner any more: `BatchPlanner` with its batch rule from before the fix, for comparison.
 
-    Before the fix, `try_fill_batch` answered the trainer as soon as `rollout_batch_size` trainable groups
-    were buffered, taking the earliest-dispatched *buffered* ones and never waiting for a group still
+    Before the fix, a batch went to the trainer as soon as `rollout_batch_size` trainable groups were
+    buffered, taking the earliest-dispatched *buffered* ones and never waiting for a group still
     generating or scoring. Admission admits no more groups than the next `max_staleness + 1` steps
     consume, so a long group still generating at its last admissible step was overtaken by later,
     shorter groups that took its slot, and the gate dropped it when it arrived. vime's broker now fills
-    batches earliest-deadline-first and waits rather than strand such a group (`_would_strand_unfinished`
-    in vime/broker/state.py); this class switches both off.
+    batches earliest-deadline-first and waits rather than strand such a group (`BatchPlanner._would_strand`
+    in vime/broker/batches.py); this class switches both off.
     """
 
-    def _would_strand_unfinished(self, pending: PendingBatch, left_buffered: list[str]) -> bool:
+    def _would_strand(self, *args: object, **kwargs: object) -> bool:
         return False  # never wait for an unfinished group
 
-    def try_fill_batch(self, now: float) -> list[tuple[bytes, Message]]:
-        pending = self.pending_batch
+    def fill(self, now: float, unfinished: Callable[[], list[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
+        pending = self.pending
         if pending is None:
-            return []
-        limit = self.settings.max_staleness
-        for group_id in [g for g, grp in self.buffer.items() if pending.policy_version - grp.oldest_version > limit]:
-            del self.buffer[group_id]  # the gate, as in BrokerState.try_fill_batch
-            self.counters["groups_dropped_stale"] += 1
-            self._drop(group_id, "stale")
-        order = sorted(self.buffer, key=lambda g: self.dispatch_seq.get(g, 0))  # earliest-dispatched first
+            return None
+        self._drop_stale(pending.policy_version)  # the gate, as in BatchPlanner.fill
+        order = sorted(self.buffer, key=self._order)  # earliest-dispatched first
         chosen, rest = order[: pending.n_groups], order[pending.n_groups :]
         others = OrderedDict((g, self.buffer[g]) for g in rest)
         self.buffer = OrderedDict((g, self.buffer[g]) for g in chosen)
         try:
-            return super().try_fill_batch(now)  # the broker's own batch, journal and stats
+            return super().fill(now, unfinished, keep_rate)  # the planner's own batch, journal and stats
         finally:
             self.buffer.update(others)
+
+
+class EagerFillState(BrokerState):
+    """`BrokerState` with `EagerFillPlanner`: the broker before the fix."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches = EagerFillPlanner(
+            self.settings, self.counters, order=self.admission.order, drop=self.admission.drop, record=self._record,
+        )  # fmt: skip
 
 
 # --- simulated processes ---------------------------------------------------------------------------
@@ -481,10 +489,10 @@ class Simulation:
         state = self.state
         self._send(state.dispatch())
         self._send(state.dispatch_scoring())
-        buffered = dict(state.buffer)
+        buffered = dict(state.batches.buffer)
         out = state.try_fill_batch(self.loop.now)
         sent = {g.group_id for _, m in out if isinstance(m, TrainBatch) for g in m.groups}
-        dropped = set(buffered) - set(state.buffer) - sent  # left the buffer untrained: the gate
+        dropped = set(buffered) - set(state.batches.buffer) - sent  # left the buffer untrained: the gate
         for group_id in dropped:
             self.records.dropped[group_id] = _lengths(buffered[group_id])
         self._send(out)
@@ -573,7 +581,7 @@ def check_accounting(sim: Simulation) -> None:
         problems.append(f"broker counters {counters} disagree with the records")
     if counters["groups_admitted"] != len(generated):
         problems.append(f"admitted {counters['groups_admitted']} != generated {len(generated)}")
-    if state.generating or state.buffer or state.to_score or state.scoring or state.training or state.retry_queue:
+    if state.generating or state.batches.buffer or state.to_score or state.scoring or state.batches.training or state.retry_queue:
         problems.append("groups left in the broker after the last step")
     if problems:
         raise AssertionError("; ".join(problems))

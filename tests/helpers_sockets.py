@@ -21,7 +21,8 @@ import torch
 import zmq
 
 from vime.broker.server import BrokerServer
-from vime.broker.state import BrokerSettings, BrokerState
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.weights import MIN_CHUNK_BYTES
 from vime.security import Security, load_client_keys

@@ -18,7 +18,9 @@ import pytest
 
 from vime.broker.journal import JournalError, JournalWriter, encode_record, read_journal
 from vime.broker.recovery import compacted, header_for, restore, steps_recorded
-from vime.broker.state import BrokerSettings, BrokerState, CannotServeStep
+from vime.broker.batches import CannotServeStep
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.data.prompts import Prompt, PromptCursor
 from vime.filters import FilterDecision
 from vime.protocol.messages import DispatchGroups, Group, GroupScores, Sample, ScoreGroups, TrainBatch
@@ -96,7 +98,7 @@ def test_journal_file_round_trip_torn_tail_and_damage(tmp_path: Path) -> None:
     state = make_state()
     writer = JournalWriter(tmp_path / "j", fsync="always")
     writer.append(header_for(state))
-    group = generated(state.group_for(0, 3), version=2, rng=random.Random(0))
+    group = generated(state.admission.group_for(0, 3), version=2, rng=random.Random(0))
     from vime.broker.journal import JournalBuffered, JournalStepDone
 
     writer.append(JournalBuffered(group=group))
@@ -212,11 +214,11 @@ def test_random_crashes_lose_nothing_and_train_nothing_twice(tmp_path: Path, see
     assert state.counters["broker_restarts"] == job.crashes
     # Every admitted group (epoch, prompt) is trained once, dropped for a recorded reason, or still in the
     # pipeline (admission runs ahead of the last step); none is two of these.
-    trained_ids, dropped_ids = set(ids), set(state.dropped)
+    trained_ids, dropped_ids = set(ids), set(state.admission.dropped)
     assert not trained_ids & dropped_ids
-    in_pipeline = {g.group_id for g in state.retry_queue} | set(state.buffer) | set(state.generating) | set(state.scoring)
+    in_pipeline = {g.group_id for g in state.retry_queue} | set(state.batches.buffer) | set(state.generating) | set(state.scoring)
     in_pipeline |= {g.group_id for g in state.to_score}
-    assert state.admitted_ids == trained_ids | dropped_ids | in_pipeline
+    assert state.admission.admitted == trained_ids | dropped_ids | in_pipeline
     assert not in_pipeline & (trained_ids | dropped_ids)
 
 
@@ -253,16 +255,16 @@ def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
             for source in (records, compacted(state)):
                 restored = make_state()
                 restore(restored, list(source))
-                assert list(restored.buffer) == list(state.buffer)
-                assert set(restored.training) == set(state.training)
-                assert restored.step_batches == state.step_batches
-                assert set(restored.retained) == set(state.retained)
-                assert set(restored.trained_in_step) == set(state.trained_in_step)
-                assert restored.dropped == state.dropped
-                assert (restored.trained_steps, restored.checkpoint_steps) == (state.trained_steps, state.checkpoint_steps)
+                assert list(restored.batches.buffer) == list(state.batches.buffer)
+                assert set(restored.batches.training) == set(state.batches.training)
+                assert restored.batches.step_batches == state.batches.step_batches
+                assert set(restored.batches.retained) == set(state.batches.retained)
+                assert set(restored.batches.trained_in_step) == set(state.batches.trained_in_step)
+                assert restored.admission.dropped == state.admission.dropped
+                assert (restored.trained_steps, restored.batches.checkpoint_steps) == (state.trained_steps, state.batches.checkpoint_steps)
                 assert restored.published_version == state.published_version
                 assert restored.weight_endpoint is None, "a restored broker must not send workers to a dead publisher"
-                assert (restored.cursor.epoch, restored.cursor.position) == (state.cursor.epoch, state.cursor.position)
+                assert (restored.admission.cursor.epoch, restored.admission.cursor.position) == (state.admission.cursor.epoch, state.admission.cursor.position)
                 unfinished = [g.group_id for g in state.retry_queue] + list(state.generating) + list(state.scoring)
                 unfinished += [g.group_id for g in state.to_score]
                 assert sorted(g.group_id for g in restored.retry_queue) == sorted(unfinished)

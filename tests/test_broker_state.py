@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vime.broker.state import BrokerSettings, BrokerState
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.data.prompts import Prompt, PromptCursor
 from vime.filters import FilterDecision, check_reward_nonzero_std, filter_samples
 from vime.protocol.messages import DispatchGroups, Group, GroupScores, Sample, ScoreGroups, Shutdown, TrainBatch, WeightVersionAnnounce
@@ -198,8 +199,8 @@ def test_failed_rewards_are_excluded_not_zeroed() -> None:
     assert state.on_scored(REWARD, scores) == [a.group_id, b.group_id]
     assert state.counters["samples_failed"] == 3
     assert state.counters["groups_failed"] == 1
-    assert [s.reward for s in state.buffer[a.group_id].samples] == [1.0]
-    assert b.group_id not in state.buffer
+    assert [s.reward for s in state.batches.buffer[a.group_id].samples] == [1.0]
+    assert b.group_id not in state.batches.buffer
     assert state.committed == 1, "the failed group's slot is free for a new prompt"
 
 
@@ -294,7 +295,7 @@ def make_filtered_state(batch: int = 2, staleness: int = 0, over_sampling: int |
 
 
 def _rebuild(old: BrokerState, group_filter) -> BrokerState:
-    state = BrokerState(old.settings, old.cursor, group_filter=group_filter)
+    state = BrokerState(old.settings, old.admission.cursor, group_filter=group_filter)
     for identity, worker in old.workers.items():
         state.register(identity, worker.worker_id, worker.role, now=0.0)
     state.add_credit(REWARD, 100)
@@ -319,7 +320,7 @@ def test_zero_std_groups_are_filtered_counted_and_their_slots_refilled() -> None
     run_group_through(state, a, 0)
     run_group_through(state, b, 0)
     assert score_with(state, {a.group_id: [1.0, 1.0], b.group_id: [1.0, 0.0]}) == [a.group_id, b.group_id]
-    assert list(state.buffer) == [b.group_id], "the all-correct group never enters the buffer"
+    assert list(state.batches.buffer) == [b.group_id], "the all-correct group never enters the buffer"
     assert state.counters["groups_filtered"] == 1 and state.counters["groups_filter_kept"] == 1
     assert state.dynamic.reasons == {"zero_std_1.0": 1}
     assert state.committed == 1, "the filtered group is accounted as filtered, not committed"
@@ -347,7 +348,7 @@ def test_failed_samples_are_left_out_before_the_filter_sees_the_group() -> None:
     # The one sample that differs failed to score: the rest are all 1.0, so the group carries no signal.
     score = GroupScores(group_id=group.group_id, rewards=[1.0, 0.0, 1.0], failed=[False, True, False], reasons=[None, "timeout", None])
     state.on_scored(REWARD, [score])
-    assert group.group_id not in state.buffer and state.counters["groups_filtered"] == 1
+    assert group.group_id not in state.batches.buffer and state.counters["groups_filtered"] == 1
 
 
 def test_a_filter_error_keeps_the_group_and_is_counted() -> None:
@@ -359,7 +360,7 @@ def test_a_filter_error_keeps_the_group_and_is_counted() -> None:
     group = dispatched(state.dispatch())[0]
     run_group_through(state, group, 0)
     score_with(state, default=[1.0, 1.0])
-    assert group.group_id in state.buffer
+    assert group.group_id in state.batches.buffer
     assert state.counters["filter_errors"] == 1 and state.counters["groups_filtered"] == 0
 
 
@@ -380,7 +381,7 @@ def test_over_sampling_admits_for_the_expected_keep_rate_up_to_the_user_cap() ->
     for g in dispatched(state.dispatch())[:6]:
         run_group_through(state, g, 0)
     score_with(state, default=[1.0, 0.0])
-    assert len(state.buffer) == 6 and state.dynamic.keep_rate == pytest.approx(12 / 26)
+    assert len(state.batches.buffer) == 6 and state.dynamic.keep_rate == pytest.approx(12 / 26)
     assert state.admission_limit == 6 + 3 and state.over_sampling_margin == 1
     no_filter = make_state(batch=4, staleness=1)
     no_filter.settings.over_sampling_batch_size = 6

@@ -23,7 +23,7 @@ def test_the_broker_tokenizes_the_demo_prompts_without_torch(demo_model: Path) -
         "from workers.broker import build_state\n"
         f"cfg = load_config(None, {{'hf_checkpoint': {str(demo_model)!r}, 'prompt_data': 'demo:arithmetic'}})\n"
         "state = build_state(cfg)\n"
-        "print(json.dumps({'torch': 'torch' in sys.modules, 'prompts': len(state.cursor)}))\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'prompts': len(state.admission.cursor)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from vime.broker.server import BrokerServer
-from vime.broker.state import BrokerSettings, BrokerState
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.data.prompts import Prompt, PromptCursor
 from vime.protocol.codec import decode, encode
 from vime.protocol.messages import (

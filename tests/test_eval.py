@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vime.broker.state import BrokerSettings, BrokerState
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.config import ConfigError, load_config, parse_config
 from vime.data.prompts import DEMO_EVAL_PROMPTS, Prompt, PromptCursor, load_eval_prompts, load_prompts
 from vime.eval import EvalSet, EvalTracker, PromptOutcome, is_eval_step, ks_for, mean_pass_at_k, pass_at_k, summarize_set
@@ -152,7 +153,7 @@ def test_job_info_carries_eval_sampling() -> None:
 def test_eval_groups_go_first_are_outside_admission_and_are_never_trained() -> None:
     state = make_state(staleness=0)
     state.on_weights_published(0, "tcp://w:1", step=-1, now=10.0)  # the initial weights: baseline run
-    assert len(state.eval_queue) == 3 and state.counters["eval_runs_started"] == 1
+    assert len(state.evals.queue) == 3 and state.counters["eval_runs_started"] == 1
     state.add_credit(ROLLOUT, 4)
     first = dispatched(state.dispatch())
     assert [g.kind for g in first] == ["eval", "eval", "eval", "train"], "eval first, then training work"
@@ -164,7 +165,7 @@ def test_eval_groups_go_first_are_outside_admission_and_are_never_trained() -> N
     returned.kind = "train"
     state.on_generated(ROLLOUT, [returned, generate(evals[1], 0), generate(evals[2], 0), generate(train, 0)])
     score(state, reward_of=lambda g, i: 1.0 if i == 0 else 0.0, now=11.5)
-    assert list(state.buffer) == [train.group_id], "only the training group is buffered"
+    assert list(state.batches.buffer) == [train.group_id], "only the training group is buffered"
     [(identity, result)] = state.poll_evals()
     assert identity == TRAINER and isinstance(result, EvalResult)
     assert (result.step, result.weight_version) == (-1, 0)
@@ -183,7 +184,7 @@ def test_a_dead_workers_eval_groups_are_redispatched_as_eval() -> None:
     assert [g.kind for g in taken] == ["eval", "eval"]
     state.register(ROLLOUT2, "rollout-2", "rollout", now=5.0)
     state.remove_worker(ROLLOUT)
-    requeued = [g.group_id for g in state.eval_queue]
+    requeued = [g.group_id for g in state.evals.queue]
     assert sorted(requeued[:2]) == sorted(g.group_id for g in taken) and requeued[2] == "eval-s-1-arith-p2"
     assert state.committed == 0
     state.add_credit(ROLLOUT2, 10)
@@ -262,7 +263,7 @@ def test_results_wait_for_a_trainer_to_be_connected() -> None:
     for g in dispatched(state.dispatch()):
         state.on_generated(ROLLOUT, [generate(g, 0)])
     score(state)
-    assert state.poll_evals() == [] and len(state.eval_outbox) == 1
+    assert state.poll_evals() == [] and len(state.evals.outbox) == 1
     state.register(TRAINER, "trainer-0", "trainer", now=1.0)
     assert [m.step for _, m in state.poll_evals()] == [-1]
 

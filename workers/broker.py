@@ -8,7 +8,8 @@ import sys
 from vime.broker.journal import JournalWriter, journal_file, move_aside, read_journal
 from vime.broker.recovery import compacted, header_for, job_finished, restore, steps_recorded
 from vime.broker.server import BrokerServer
-from vime.broker.state import BrokerSettings, BrokerState
+from vime.broker.settings import BrokerSettings
+from vime.broker.state import BrokerState
 from vime.config import VimeConfig, build_parser, parse_config
 from vime.data.prompts import PromptCursor, load_eval_prompts, load_prompts
 from vime.eval import EvalSet
@@ -51,8 +52,8 @@ def open_journal(cfg: VimeConfig, state: BrokerState) -> JournalWriter:
             # After the rewrite, which records this restart's count: one line per counted restart.
             log.warning(
                 "broker_resumed", journal=str(path), step=state.trained_steps, weight_version=state.published_version,
-                buffered=len(state.buffer), in_training=len(state.training), to_regenerate=len(state.retry_queue),
-                replayable_steps=len(state.step_batches), records=len(records),
+                buffered=len(state.batches.buffer), in_training=len(state.batches.training), to_regenerate=len(state.retry_queue),
+                replayable_steps=len(state.batches.step_batches), records=len(records),
                 broker_restarts=state.counters["broker_restarts"],
             )  # fmt: skip
             return writer
@@ -80,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
-    log.info("prompts_loaded", count=len(state.cursor), source=cfg.prompt_data)
-    if state.evals is not None:
-        log.info("eval_sets_loaded", sets={e.name: len(e.prompts) for e in state.evals.sets}, interval=cfg.eval_interval)
+    log.info("prompts_loaded", count=len(state.admission.cursor), source=cfg.prompt_data)
+    if state.evals.tracker is not None:
+        sets = {e.name: len(e.prompts) for e in state.evals.tracker.sets}
+        log.info("eval_sets_loaded", sets=sets, interval=cfg.eval_interval)
     server.serve()
 
 

@@ -20,12 +20,12 @@ Eval runs in progress are not journaled: they are not training data, and the nex
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any
 
 from vime.broker.journal import (
-    JOURNAL_FORMAT, JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalError,
-    JournalFinished, JournalHeader, JournalPublished, JournalRecord, JournalSnapshot, JournalStepDone,
+    JOURNAL_FORMAT, JournalAdmit, JournalBatch, JournalBuffered, JournalError, JournalFinished, JournalHeader,
+    JournalRecord, JournalSnapshot, JournalStepDone,
 )
 from vime.broker.state import BrokerState
 from vime.protocol.messages import Group
@@ -39,7 +39,7 @@ def job_fingerprint(state: BrokerState) -> dict[str, Any]:
     """What must not change between a journal and the broker that restores it."""
     s = state.settings
     return {
-        "dataset": state.cursor.fingerprint(),
+        "dataset": state.admission.cursor.fingerprint(),
         "rollout_batch_size": s.rollout_batch_size,
         "n_samples_per_prompt": s.n_samples_per_prompt,
     }
@@ -50,66 +50,44 @@ def header_for(state: BrokerState) -> JournalHeader:
 
 
 def restore(state: BrokerState, records: list[JournalRecord]) -> None:
-    """Replay `records` onto `state` (fresh, built from the job's flags). Raises JournalError when the
-    journal belongs to another job or contradicts itself."""
+    """Replay `records` onto `state` (fresh, built from the job's flags): each part applies its own
+    records (`BrokerState.replay`). Raises JournalError when the journal belongs to another job or
+    contradicts itself."""
     if not records or not isinstance(records[0], JournalHeader):
         raise JournalError("the journal does not start with a header record")
     _check_header(state, records[0])
-    unfinished: dict[str, JournalAdmit] = {}
     counters: dict[str, int] = {}
+    admits: dict[str, JournalAdmit] = {}
     admitted = 0
     for record in records[1:]:
+        if isinstance(record, JournalHeader):
+            raise JournalError("journal: a second header record (two journals concatenated?)")
         if isinstance(record, JournalSnapshot):
             counters = dict(record.counters)
             admitted = record.counters.get("groups_admitted", 0)
-            _apply_snapshot(state, record)
-        elif isinstance(record, JournalAdmit):
-            unfinished[record.group_id] = record
-            state.admitted_ids.add(record.group_id)
-            state.dispatch_seq[record.group_id] = record.seq
-            state._next_seq = max(state._next_seq, record.seq + 1)
-            state.cursor.seek(record.cursor_epoch, record.cursor_position)
+            state.admission.restore_snapshot(record)
+            state.batches.restore_snapshot(record)
+            state.published_version = record.published_version
+            state.weight_endpoint = record.weight_endpoint
+            continue
+        state.replay(record)
+        if isinstance(record, JournalAdmit):
+            admits[record.group_id] = record
             admitted += 1
-        elif isinstance(record, JournalBuffered):
-            group = record.group
-            if unfinished.pop(group.group_id, None) is None:
-                raise JournalError(f"journal: group {group.group_id} buffered but never admitted")
-            state.buffer[group.group_id] = group
-        elif isinstance(record, JournalDropped):
-            unfinished.pop(record.group_id, None)
-            state.buffer.pop(record.group_id, None)
-            state.dropped[record.group_id] = record.reason
-        elif isinstance(record, JournalBatch):
-            missing = [g for g in record.group_ids if g not in state.buffer]
-            if missing:
-                raise JournalError(f"journal: step {record.step}'s batch names groups not in the buffer: {missing[:5]}")
-            for group_id in record.group_ids:
-                state.training[group_id] = state.buffer.pop(group_id)
-            state.step_batches[record.step] = list(record.group_ids)
-        elif isinstance(record, JournalStepDone):
-            state.apply_step_done(record.step)
-            if record.counters:  # a compacted journal's steps carry none: the snapshot before them holds them
-                counters = dict(record.counters)
-        elif isinstance(record, JournalCheckpoint):
-            state.release_batches_before(record.steps_done)
-        elif isinstance(record, JournalPublished):
-            state.published_version = max(state.published_version, record.version)
-            state.weight_endpoint = record.endpoint
-        elif isinstance(record, JournalHeader):
-            raise JournalError("journal: a second header record (two journals concatenated?)")
+        elif isinstance(record, JournalStepDone) and record.counters:
+            counters = dict(record.counters)  # a compacted journal's steps carry none: the snapshot holds them
         # JournalFinished holds nothing to restore: a finished job is restored only when a larger
         # --num-rollout extends it, and then it runs on and records its own finish.
+    state.batches.finish_restore()
     state.counters.update({k: v for k, v in counters.items() if k in state.counters})
     state.counters["groups_admitted"] = admitted
-    state.counters["groups_trained"] = len(state.trained_in_step)
+    state.counters["groups_trained"] = len(state.batches.trained_in_step)
     for reason, key in DROP_COUNTERS.items():
-        state.counters[key] = sum(1 for r in state.dropped.values() if r == reason)
+        state.counters[key] = sum(1 for r in state.admission.dropped.values() if r == reason)
     state.counters["broker_restarts"] += 1
-    ordered = sorted(unfinished.values(), key=lambda a: a.seq)
-    state.retry_queue = deque(state.group_for(a.epoch, a.prompt_index) for a in ordered)
-    state.buffer = OrderedDict(sorted(state.buffer.items(), key=lambda kv: state.dispatch_seq.get(kv[0], 0)))
-    if state.trained_steps >= state.settings.num_rollout:
-        state.training_done = True
+    # Groups admitted but never buffered were generating or scoring: their tokens were not journaled.
+    unplaced = [admits[group_id] for group_id in state.admission.unplaced(state.placed_ids())]
+    state.retry_queue = deque(state.admission.group_for(a.epoch, a.prompt_index) for a in unplaced)
     # The trainer that served the journal's endpoint may be gone with this broker: rollout workers that
     # join now would wait on a dead address. The trainer re-announces its endpoint when it says Hello.
     state.weight_endpoint = None
@@ -159,46 +137,49 @@ def _apply_snapshot(state: BrokerState, snap: JournalSnapshot) -> None:
 def compacted(state: BrokerState) -> list[JournalRecord]:
     """The live state as a fresh journal: header, a snapshot of everything finished, then the records
     that rebuild the groups still in play (admitted-unfinished, buffered, in training, replayable)."""
-    live = set(state.retained) | set(state.training)
-    finished = {g: s for g, s in state.trained_in_step.items() if g not in live}
+    admission, batches = state.admission, state.batches
+    live = set(batches.retained) | set(batches.training)
+    finished = {g: s for g, s in batches.trained_in_step.items() if g not in live}
+    in_play = _in_play(state)
     records: list[JournalRecord] = [
         header_for(state),
         JournalSnapshot(
-            cursor_epoch=state.cursor.epoch, cursor_position=state.cursor.position, next_seq=state._next_seq,
-            published_version=state.published_version, weight_endpoint=state.weight_endpoint,
-            trained_steps=state.trained_steps, checkpoint_steps=state.checkpoint_steps,
-            trained_ids=sorted(finished), dropped=dict(state.dropped),
-            counters={**state.counters, "groups_admitted": state.counters["groups_admitted"] - len(_in_play(state))},
+            cursor_epoch=admission.cursor.epoch, cursor_position=admission.cursor.position,
+            next_seq=admission.next_seq, published_version=state.published_version,
+            weight_endpoint=state.weight_endpoint, trained_steps=batches.trained_steps,
+            checkpoint_steps=batches.checkpoint_steps, trained_ids=sorted(finished), dropped=dict(admission.dropped),
+            counters={**state.counters, "groups_admitted": state.counters["groups_admitted"] - len(in_play)},
         ),  # fmt: skip
     ]
-    cursor_place = {"cursor_epoch": state.cursor.epoch, "cursor_position": state.cursor.position}
-    payloads: dict[str, Group] = {**state.retained, **state.training, **state.buffer}
+    cursor_place = {"cursor_epoch": admission.cursor.epoch, "cursor_position": admission.cursor.position}
+    payloads: dict[str, Group] = {**batches.retained, **batches.training, **batches.buffer}
     unscored = (*state.retry_queue, *state.to_score, *(g for g, _ in state.generating.values()), *(g for g, _ in state.scoring.values()))
     groups = {**{g.group_id: g for g in unscored}, **payloads}
-    for group_id in sorted(_in_play(state), key=lambda g: state.dispatch_seq.get(g, 0)):
+    for group_id in sorted(in_play, key=admission.order):
         group = groups.get(group_id)
         if group is None:
             raise JournalError(f"compaction: group {group_id} is admitted but nowhere in the state")
         records.append(JournalAdmit(
-            group_id=group_id, epoch=group.epoch, prompt_index=group.prompt_index, seq=state.dispatch_seq.get(group_id, 0),
+            group_id=group_id, epoch=group.epoch, prompt_index=group.prompt_index, seq=admission.order(group_id),
             **cursor_place,
         ))  # fmt: skip
         if group_id in payloads:
             records.append(JournalBuffered(group=payloads[group_id]))
-    for step in sorted(state.step_batches):
-        ids = state.step_batches[step]
+    for step in sorted(batches.step_batches):
+        ids = batches.step_batches[step]
         records.append(JournalBatch(step=step, group_ids=list(ids), policy_version=-1))
-        if step < state.trained_steps and not any(g in state.training for g in ids):
+        if step < batches.trained_steps and not any(g in batches.training for g in ids):
             records.append(JournalStepDone(step=step, counters={}))
     if state.finished:
-        records.append(JournalFinished(trained_steps=state.trained_steps))
+        records.append(JournalFinished(trained_steps=batches.trained_steps))
     return records
 
 
 def _in_play(state: BrokerState) -> set[str]:
     """Admitted training groups not finished: everything except trained-and-released and dropped."""
-    released = {g for g in state.trained_in_step if g not in state.retained and g not in state.training}
-    return state.admitted_ids - released - set(state.dropped)
+    batches = state.batches
+    released = {g for g in batches.trained_in_step if g not in batches.retained and g not in batches.training}
+    return state.admission.admitted - released - state.admission.dropped.keys()
 
 
 __all__ = ["restore", "compacted", "header_for", "job_finished", "job_fingerprint", "steps_recorded"]

@@ -291,7 +291,7 @@ class BrokerServer:
             self._send([(identity, Ack(ids=[str(msg.step)]))])
         elif isinstance(msg, CheckpointSaved):
             state.on_checkpoint(msg.steps_done)
-            log.info("trainer_checkpoint", steps_done=msg.steps_done, path=msg.path, replayable_steps=len(state.step_batches))
+            log.info("trainer_checkpoint", steps_done=msg.steps_done, path=msg.path, replayable_steps=len(state.batches.step_batches))
             self._send([(identity, Ack(ids=[f"checkpoint-{msg.steps_done}"]))])
         elif isinstance(msg, WeightsPublished):
             self._send(state.on_weights_published(msg.version, msg.endpoint, None if msg.reannounce else msg.step, now))

@@ -1,132 +1,64 @@
-"""The broker's bookkeeping: where every prompt group is, who may get more work, and what is stale.
+"""The broker's message handler: where every prompt group is between its parts, and what each message does.
 
 Pure logic (no sockets, time passed in), so it can be unit-tested exhaustively; the server
-(`vime.broker.server`) feeds it decoded messages and sends what it returns. Parts with their own state
-and tests: `vime.broker.workers` (the workers, their credits and leases) and
-`vime.broker.dynamic_sampling` (the filter's decisions and the keep rate admission uses). The design
-(a group's life, the staleness gate and admission, dynamic sampling, eval, leases, durability and the
-loss/duplication ledgers): docs/broker.md.
+(`vime.broker.server`) feeds it decoded messages and sends what it returns. `BrokerState` holds the
+groups in flight (to generate again, generating, to score, scoring) and composes the parts that own
+the rest, each with its own state, tests and journal replay:
+- `workers.WorkerRegistry`: the workers, their credits and leases (one lease loop for both roles);
+- `admission.Admission`: the prompt cursor, the admitted/dropped ledger and the admission limit;
+- `batches.BatchPlanner`: the buffer, the staleness gate, each step's batch and its replay;
+- `dynamic_sampling.DynamicSampling`: the filter's decisions and the keep rate admission uses;
+- `eval_runs.EvalRuns`: eval groups in the pipeline and results on their way to the trainer.
+The design (a group's life, the staleness gate and admission, leases, durability, the ledgers):
+docs/broker.md.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-import numpy as np
-
-from vime.data.prompts import PromptCursor
-from vime.eval import EvalSet, EvalTracker
-from vime.broker.journal import (
-    JournalAdmit, JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalFinished, JournalPublished,
-    JournalRecord, JournalStepDone,
-)
+from vime.broker.admission import Admission
+from vime.broker.batches import BatchPlanner, CannotServeStep
 from vime.broker.dynamic_sampling import DynamicSampling, GroupFilter
+from vime.broker.eval_runs import EvalRuns
+from vime.broker.journal import JournalBuffered, JournalError, JournalFinished, JournalPublished, JournalRecord
+from vime.broker.settings import BrokerSettings
+from vime.broker.status import broker_status
 from vime.broker.workers import WorkerInfo, WorkerRegistry
-from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
+from vime.data.prompts import PromptCursor
+from vime.eval import EvalSet
 from vime.protocol.messages import (
-    DispatchGroups,
-    EvalResult,
-    Group,
-    GroupScores,
-    JobInfo,
-    Message,
-    ScoreGroups,
-    ScoringGroup,
-    Shutdown,
-    TrainBatch,
-    WeightVersionAnnounce,
+    DispatchGroups, Group, GroupScores, JobInfo, Message, ScoreGroups, ScoringGroup, Shutdown, WeightVersionAnnounce,
 )
-
-if TYPE_CHECKING:
-    from vime.config import VimeConfig
 
 Outgoing = list[tuple[bytes, Message]]
 
-
-@dataclass
-class BrokerSettings:
-    rollout_batch_size: int
-    n_samples_per_prompt: int
-    max_staleness: int
-    update_weights_interval: int
-    num_rollout: int
-    worker_timeout_s: float
-    sampling: dict[str, Any]
-    rm_type: str = "arithmetic"
-    # Dynamic sampling: prompts dispatched per step when the filter drops groups (None: no over-sampling).
-    over_sampling_batch_size: int | None = None
-    # Eval: every `eval_interval` steps (None: never), on `eval_sampling`, `n_samples_per_eval_prompt` each.
-    eval_interval: int | None = None
-    eval_before_train: bool = True
-    n_samples_per_eval_prompt: int = 1
-    eval_sampling: dict[str, Any] = field(default_factory=dict)
-    eval_pass_threshold: float = 1.0
-    # Keep trained batches replayable until a trainer checkpoint covers them (the job saves checkpoints).
-    retain_until_checkpoint: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: VimeConfig) -> BrokerSettings:
-        return cls(
-            rollout_batch_size=cfg.rollout_batch_size,
-            n_samples_per_prompt=cfg.n_samples_per_prompt,
-            max_staleness=cfg.max_staleness,
-            update_weights_interval=cfg.update_weights_interval,
-            num_rollout=cfg.num_rollout,
-            worker_timeout_s=cfg.worker_timeout_s,
-            sampling={
-                "temperature": cfg.rollout_temperature,
-                "top_p": cfg.rollout_top_p,
-                "max_tokens": cfg.rollout_max_response_len,
-            },
-            rm_type=cfg.rm_type,
-            over_sampling_batch_size=cfg.over_sampling_batch_size,
-            eval_interval=cfg.eval_interval if cfg.eval_prompt_data else None,
-            eval_before_train=not cfg.skip_eval_before_train,
-            n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
-            eval_sampling=cfg.eval_sampling if cfg.eval_interval else {},
-            eval_pass_threshold=cfg.eval_pass_threshold,
-            retain_until_checkpoint=cfg.save_interval is not None,
-        )
-
-    @property
-    def groups_per_version(self) -> int:
-        return self.rollout_batch_size * self.update_weights_interval
-
-    @property
-    def lookahead_steps(self) -> int:
-        """Training steps admission runs ahead of the published weights."""
-        return (self.max_staleness + 1) * self.update_weights_interval
-
-    @property
-    def over_sampling_extra(self) -> int:
-        """Extra prompts per step that over-sampling may dispatch (0 without it)."""
-        return max(0, (self.over_sampling_batch_size or self.rollout_batch_size) - self.rollout_batch_size)
-
-
-@dataclass
-class PendingBatch:
-    identity: bytes
-    step: int
-    n_groups: int
-    policy_version: int
-    since: float
+COUNTERS = (
+    "groups_dispatched", "groups_generated", "groups_scored", "groups_trained", "groups_dropped_stale",
+    "groups_failed", "groups_admitted", "groups_filtered", "groups_filter_kept", "filter_errors",
+    "eval_runs_started", "eval_runs_done", "eval_groups_dispatched", "eval_groups_scored", "groups_requeued",
+    "samples_failed", "late_results_dropped", "bad_messages", "unknown_peer_messages", "groups_trained_twice",
+    "steps_replayed", "batches_resent", "broker_restarts",
+)  # fmt: skip
+# Cumulative heartbeat stats summed over the workers of a role and sent with each batch: the trainer
+# logs them so engine idle time and the weight update's parts can be computed over any window of steps.
+BATCH_WORKER_STATS = {
+    "rollout_busy_s": ("rollout", "busy_s"),
+    "rollout_update_s": ("rollout", "update_s"),
+    "rollout_fetch_s": ("rollout", "fetch_s"),
+    "rollout_load_s": ("rollout", "load_s"),
+    "rollout_paused_s": ("rollout", "paused_s"),
+    "rollout_update_bytes": ("rollout", "update_bytes"),
+    "rollout_updates": ("rollout", "updates"),
+    "rollout_tokens": ("rollout", "tokens"),
+    "reward_busy_s": ("reward", "busy_s"),
+}
 
 
 class JournalSink(Protocol):
     def append(self, record: JournalRecord) -> None: ...
-
-
-class CannotServeStep(ProtocolError):
-    """The trainer asked for a step whose batch is gone (before the last checkpoint) or not reachable."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(ERROR_CANNOT_RESUME, detail)
-
-
 
 
 class BrokerState:
@@ -135,67 +67,13 @@ class BrokerState:
         eval_sets: Sequence[EvalSet] = (),
     ) -> None:  # fmt: skip
         self.settings = settings
-        self.cursor = cursor
-        self.evals: EvalTracker | None = None
-        if settings.eval_interval is not None and eval_sets:
-            self.evals = EvalTracker(
-                eval_sets, n_samples=settings.n_samples_per_eval_prompt, interval=settings.eval_interval,
-                before_train=settings.eval_before_train, threshold=settings.eval_pass_threshold,
-                num_rollout=settings.num_rollout,
-            )  # fmt: skip
-        self.eval_queue: deque[Group] = deque()
-        self._eval_active: set[str] = set()  # eval groups generating, waiting for or being scored
-        self.eval_outbox: list[EvalResult] = []
-        self.training_done = False
-        self.registry = WorkerRegistry()
-        self.retry_queue: deque[Group] = deque()
-        self.generating: dict[str, tuple[Group, bytes]] = {}
-        self.to_score: deque[Group] = deque()
-        self.scoring: dict[str, tuple[Group, bytes]] = {}
-        self.buffer: OrderedDict[str, Group] = OrderedDict()
-        self.training: dict[str, Group] = {}
-        # Per step (from the last trainer checkpoint on): the group ids of its batch, and the payloads of
-        # trained groups still replayable by a trainer that resumes from that checkpoint.
-        self.step_batches: dict[int, list[str]] = {}
-        self.retained: dict[str, Group] = {}
-        self.checkpoint_steps = 0
-        # Ledgers for the loss/duplication checks (group ids are small; one entry per admitted group).
-        self.admitted_ids: set[str] = set()
-        self.trained_in_step: dict[str, int] = {}
-        self.dropped: dict[str, str] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.journal: JournalSink | None = None
-        self.dispatch_seq: dict[str, int] = {}
-        self.pending_batch: PendingBatch | None = None
-        self.published_version = 0
-        self.weight_endpoint: str | None = None
-        self.trained_steps = 0
-        self.finished = False
-        self._next_seq = 0
-        self.counters: dict[str, int] = {
-            "groups_dispatched": 0,
-            "groups_generated": 0,
-            "groups_scored": 0,
-            "groups_trained": 0,
-            "groups_dropped_stale": 0,
-            "groups_failed": 0,
-            "groups_admitted": 0,
-            "groups_filtered": 0,
-            "groups_filter_kept": 0,
-            "filter_errors": 0,
-            "eval_runs_started": 0,
-            "eval_runs_done": 0,
-            "eval_groups_dispatched": 0,
-            "eval_groups_scored": 0,
-            "groups_requeued": 0,
-            "samples_failed": 0,
-            "late_results_dropped": 0,
-            "bad_messages": 0,
-            "unknown_peer_messages": 0,
-            "groups_trained_twice": 0,
-            "steps_replayed": 0,
-            "batches_resent": 0,
-            "broker_restarts": 0,
-        }
+        self.registry = WorkerRegistry()
+        self.admission = Admission(settings, cursor, self.counters, self._record)
+        self.batches = BatchPlanner(
+            settings, self.counters, order=self.admission.order, drop=self.admission.drop, record=self._record,
+        )  # fmt: skip
         # The filter's keep-rate window is four admission windows long: short enough to follow a rate
         # that drifts as the policy learns, long enough that chance runs of drops do not make admission
         # over-generate.
@@ -204,6 +82,20 @@ class BrokerState:
             over_sampling_extra=settings.over_sampling_extra,
             window=4 * settings.lookahead_steps * (settings.over_sampling_batch_size or settings.rollout_batch_size),
         )  # fmt: skip
+        self.evals = EvalRuns(settings, eval_sets, self.counters)
+        # Groups in flight, in the order they move: generated again, generating (leased), waiting for a
+        # reward worker, scoring (leased).
+        self.retry_queue: deque[Group] = deque()
+        self.generating: dict[str, tuple[Group, bytes]] = {}
+        self.to_score: deque[Group] = deque()
+        self.scoring: dict[str, tuple[Group, bytes]] = {}
+        self.published_version = 0
+        self.weight_endpoint: str | None = None
+        self.finished = False
+
+    def _record(self, record: JournalRecord) -> None:
+        if self.journal is not None:
+            self.journal.append(record)
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -237,8 +129,7 @@ class BrokerState:
         worker = self.registry.remove(identity)
         if worker is not None:
             self._release_leases(worker)
-        if self.pending_batch is not None and self.pending_batch.identity == identity:
-            self.pending_batch = None
+        self.batches.forget_trainer(identity)
         return worker
 
     def expire_workers(self, now: float) -> list[WorkerInfo]:
@@ -250,15 +141,15 @@ class BrokerState:
         return dead
 
     def _release_leases(self, worker: WorkerInfo) -> None:
-        """Put the worker's leased groups back in their queues (counted in `worker.requeued`)."""
+        """Put the worker's leased groups back at the front of their queues, in dispatch order (counted
+        in `worker.requeued`)."""
         requeued = 0
-        for group_id in sorted(worker.leased, key=lambda g: (self.dispatch_seq.get(g, 0), g), reverse=True):
+        for group_id in sorted(worker.leased, key=lambda g: (self.admission.order(g), g), reverse=True):
             if group_id in self.generating:
                 group, _ = self.generating.pop(group_id)
                 group.samples = []
-                if group_id in self._eval_active:
-                    self._eval_active.discard(group_id)
-                    self.eval_queue.appendleft(group)
+                if self.evals.is_eval(group_id):
+                    self.evals.requeue(group)
                 else:
                     self.retry_queue.appendleft(group)
                 requeued += 1
@@ -277,40 +168,26 @@ class BrokerState:
 
     @property
     def committed(self) -> int:
-        """Training groups admitted and not dropped: trained, in training, buffered, or on their way
-        there (eval groups are not training work and do not count)."""
-        return (
-            self.counters["groups_trained"]
-            + len(self.training)
-            + len(self.buffer)
-            + len(self.scoring)
-            + len(self.to_score)
-            + len(self.generating)
-            + len(self.retry_queue)
-            - len(self._eval_active)
-        )
-
-    @property
-    def _base_limit(self) -> int:
-        s = self.settings
-        by_staleness = (self.published_version + s.max_staleness + 1) * s.groups_per_version
-        return min(by_staleness, s.num_rollout * s.rollout_batch_size)
+        """Training groups admitted and not dropped (eval groups are not training work)."""
+        return self.admission.committed
 
     @property
     def admission_limit(self) -> int:
         """Admit while `committed` is below this (docs/broker.md, "Staleness")."""
-        base = self._base_limit
-        rate = self.dynamic.expected_keep_rate
-        if rate >= 1.0:
-            return base
-        kept = self.counters["groups_trained"] + len(self.training) + len(self.buffer)
-        headroom = max(0, base - kept)
-        return kept + math.ceil(headroom / rate - 1e-9)
+        return self.admission.limit(self.published_version, self.batches.kept, self.dynamic.expected_keep_rate)
 
     @property
     def over_sampling_margin(self) -> int:
         """Groups admitted beyond the staleness limit because the filter is expected to drop them."""
-        return max(0, self.admission_limit - self._base_limit)
+        return max(0, self.admission_limit - self.admission.base_limit(self.published_version))
+
+    @property
+    def trained_steps(self) -> int:
+        return self.batches.trained_steps
+
+    @property
+    def training_done(self) -> bool:
+        return self.batches.done
 
     def dispatch(self) -> Outgoing:
         """Hand groups to rollout workers with credits: eval groups first, then training groups as far
@@ -322,55 +199,21 @@ class BrokerState:
 
     def _next_rollout_group(self) -> Group | None:
         """The next group to generate, or None when admission (or the end of training) says wait."""
-        if self.eval_queue:
-            # Eval first: the sooner it starts, the likelier workers still hold the run's version.
-            group = self.eval_queue.popleft()
-            self._eval_active.add(group.group_id)
-            self.counters["eval_groups_dispatched"] += 1
+        # Eval first: the sooner it starts, the likelier workers still hold the run's version.
+        group = self.evals.next_group()
+        if group is not None:
             return group
-        if self.training_done:
+        if self.batches.done:
             return None
         if self.retry_queue:
             group = self.retry_queue.popleft()
         elif self.committed < self.admission_limit:
-            group = self._new_group()
+            group = self.admission.admit()
         else:
             return None
         group.min_weight_version = self.published_version
         self.counters["groups_dispatched"] += 1
         return group
-
-    def _new_group(self) -> Group:
-        epoch, prompt = self.cursor.next()
-        group = self.group_for(epoch, prompt.index)
-        seq = self._next_seq
-        self._next_seq += 1
-        self.dispatch_seq[group.group_id] = seq
-        self.admitted_ids.add(group.group_id)
-        self.counters["groups_admitted"] += 1
-        self._record(JournalAdmit(
-            group_id=group.group_id, epoch=epoch, prompt_index=prompt.index, seq=seq,
-            cursor_epoch=self.cursor.epoch, cursor_position=self.cursor.position,
-        ))  # fmt: skip
-        return group
-
-    def group_for(self, epoch: int, prompt_index: int) -> Group:
-        """A fresh (ungenerated) training group for a prompt of the dataset."""
-        prompt = self.cursor.prompt(prompt_index)
-        return Group(
-            group_id=f"e{epoch}-p{prompt.index}",
-            prompt_index=prompt.index,
-            epoch=epoch,
-            prompt_tokens=prompt.tokens,
-            prompt_text=prompt.text,
-            label=prompt.label,
-            metadata=prompt.metadata,
-            n_samples=self.settings.n_samples_per_prompt,
-        )
-
-    def _record(self, record: JournalRecord) -> None:
-        if self.journal is not None:
-            self.journal.append(record)
 
     # --- results -------------------------------------------------------------------------------
 
@@ -387,7 +230,7 @@ class BrokerState:
             if worker is not None:
                 worker.leased.discard(group.group_id)
             # The broker's own record decides what the group is for, not the worker's copy of it.
-            group.kind = "eval" if group.group_id in self._eval_active else "train"
+            group.kind = "eval" if self.evals.is_eval(group.group_id) else "train"
             group.min_weight_version = lease[0].min_weight_version
             self.to_score.append(group)
             if group.kind == "train":
@@ -435,210 +278,59 @@ class BrokerState:
             sample.reward_extra = extra
             kept.append(sample)
         if group.kind == "eval":
-            # Eval samples end here: pass@k counts the failed ones separately, nothing is trained.
-            self._eval_active.discard(group.group_id)
-            self.counters["eval_groups_scored"] += 1
-            if self.evals is not None:
-                self.evals.record(group, now)
+            self.evals.scored(group, now)
             return
         self.counters["groups_scored"] += 1
         if not kept:
             self.counters["groups_failed"] += 1
-            self._drop(group.group_id, "failed")
+            self.admission.drop(group.group_id, "failed")
             return
         group.samples = kept
         if not self.dynamic.keeps(group):
-            self._drop(group.group_id, "filtered")
+            self.admission.drop(group.group_id, "filtered")
             return
-        self.buffer[group.group_id] = group
-        self._record(JournalBuffered(group=group))
-
-    def _drop(self, group_id: str, reason: str) -> None:
-        """A training group leaves without being trained (counted by the caller); the reason is kept."""
-        self.dropped[group_id] = reason
-        self._record(JournalDropped(group_id=group_id, reason=reason))  # type: ignore[arg-type]
+        self.batches.add(group)
 
     # --- training ------------------------------------------------------------------------------
 
     def request_batch(self, identity: bytes, step: int, n_groups: int, policy_version: int, now: float) -> Outgoing:
-        """Record the trainer's request for step `step`; a step that already has a batch gets the same
-        groups again at once (a lost reply, a restarted broker, or a trainer resumed from a checkpoint).
-
-        Raises CannotServeStep for a finished step whose batch was released (it is before the last
-        checkpoint the trainer reported): the trainer resumed from the wrong place.
-        """
-        self.pending_batch = None
-        if step in self.step_batches:
-            return self._resend_batch(identity, step, policy_version)
-        if step < self.trained_steps:
-            raise CannotServeStep(
-                f"the trainer asked for step {step}, but the job has trained {self.trained_steps} steps and released "
-                f"the batches before step {self.checkpoint_steps} when the trainer reported a checkpoint there: resume "
-                "the trainer from that checkpoint or a later one (--load latest)"
-            )  # fmt: skip
-        self.pending_batch = PendingBatch(identity, step, n_groups, policy_version, now)
-        return []
-
-    def _resend_batch(self, identity: bytes, step: int, policy_version: int) -> Outgoing:
-        ids = self.step_batches[step]
-        groups = [self.training[g] if g in self.training else self.retained[g] for g in ids]
-        if step < self.trained_steps:
-            self.counters["steps_replayed"] += 1  # a resumed trainer catching up to the job's step
-        else:
-            self.counters["batches_resent"] += 1
-        staleness = [policy_version - g.oldest_version for g in groups]
-        stats = {"staleness_mean": float(np.mean(staleness)), "staleness_max": float(np.max(staleness)), "batch_wait_s": 0.0}
-        replayed = step < self.trained_steps
-        return [(identity, TrainBatch(step=step, groups=groups, stats=stats, replayed=replayed))]
+        """Record the trainer's request for step `step` (`BatchPlanner.request`); a step that already
+        has a batch gets it again at once. Raises CannotServeStep for a released step."""
+        batch = self.batches.request(identity, step, n_groups, policy_version, now)
+        return [] if batch is None else [(identity, batch)]
 
     def try_fill_batch(self, now: float) -> Outgoing:
         """Answer the trainer's pending request if enough trainable groups are buffered."""
-        pending = self.pending_batch
-        if pending is None:
+        filled = self.batches.fill(now, self._unfinished_training_versions, self.dynamic.expected_keep_rate)
+        if filled is None:
             return []
-        limit = self.settings.max_staleness
-        for group_id in [g for g, grp in self.buffer.items() if pending.policy_version - grp.oldest_version > limit]:
-            del self.buffer[group_id]
-            self.counters["groups_dropped_stale"] += 1
-            self._drop(group_id, "stale")
-        if len(self.buffer) < pending.n_groups:
-            return []
-        by_deadline = sorted(self.buffer, key=lambda g: (self.buffer[g].oldest_version, self.dispatch_seq.get(g, 0)))
-        ordered = by_deadline[: pending.n_groups]
-        if self._would_strand_unfinished(pending, by_deadline[pending.n_groups :]):
-            return []
-        groups = [self.buffer.pop(g) for g in ordered]
-        for group in groups:
-            self.training[group.group_id] = group
-        self.step_batches[pending.step] = list(ordered)
-        self._record(JournalBatch(step=pending.step, group_ids=list(ordered), policy_version=pending.policy_version))
-        staleness = [pending.policy_version - g.oldest_version for g in groups]
-        stats = {
-            "staleness_mean": float(np.mean(staleness)),
-            "staleness_max": float(np.max(staleness)),
-            "batch_wait_s": now - pending.since,
-            # Cumulative busy seconds reported by the workers' heartbeats: the trainer logs them so
-            # engine idle time can be computed over any window of steps.
-            "rollout_busy_s": self.registry.sum_stat("rollout", "busy_s"),
-            "rollout_update_s": self.registry.sum_stat("rollout", "update_s"),
-            # The weight update's parts inside the engines, and what they generated (cumulative).
-            "rollout_fetch_s": self.registry.sum_stat("rollout", "fetch_s"),
-            "rollout_load_s": self.registry.sum_stat("rollout", "load_s"),
-            "rollout_paused_s": self.registry.sum_stat("rollout", "paused_s"),
-            "rollout_update_bytes": self.registry.sum_stat("rollout", "update_bytes"),
-            "rollout_updates": self.registry.sum_stat("rollout", "updates"),
-            "rollout_tokens": self.registry.sum_stat("rollout", "tokens"),
-            "reward_busy_s": self.registry.sum_stat("reward", "busy_s"),
-        }
+        identity, batch = filled
+        batch.stats.update({key: self.registry.sum_stat(role, stat) for key, (role, stat) in BATCH_WORKER_STATS.items()})
         if self.dynamic.active:
-            stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
-        self.pending_batch = None
-        return [(pending.identity, TrainBatch(step=pending.step, groups=groups, stats=stats))]
+            batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
+        return [(identity, batch)]
 
-    def _would_strand_unfinished(self, pending: PendingBatch, left_buffered: list[str]) -> bool:
-        """True if sending this batch now would leave a group still generating or scoring with no step
-        left to train it before it turns stale, where waiting for it would not (docs/broker.md).
-
-        Every training group has a deadline: the last policy version that may train it (its oldest token
-        version + max_staleness; for an unfinished group the version it was dispatched with, a lower
-        bound, so the check errs toward waiting). The steps after this one offer `n_groups` slots each at
-        known policy versions. The left-behind groups fit if, for every deadline v, no more of them are due
-        by v than there are slots by v (earliest deadline first). Waiting is only worth it when the
-        unfinished groups are what breaks that; if the buffered ones alone do not fit, they cannot be
-        helped and the batch goes now.
-        """
-        s = self.settings
-        limit = s.max_staleness
-        left = [self.buffer[g].oldest_version + limit for g in left_buffered]
-        if not self._fits(left, pending):
-            return False
-        unfinished = [g.min_weight_version for g, _ in self.generating.values() if g.group_id not in self._eval_active]
-        unfinished += [g.oldest_version if g.samples else g.min_weight_version for g in self.to_score if g.group_id not in self._eval_active]
-        unfinished += [g.oldest_version for g, _ in self.scoring.values() if g.group_id not in self._eval_active]
-        if not unfinished:
-            return False
-        # With a dynamic sampling filter only a fraction of them will be kept: count that many of the most urgent.
-        # Those already past their deadline are lost to the gate whatever happens: no reason to wait.
-        savable = sorted(d for d in (v + limit for v in unfinished) if d >= pending.policy_version)
-        expected = math.ceil(len(savable) * self.dynamic.expected_keep_rate - 1e-9)
-        deadlines = savable[:expected]
-        return not self._fits(left + deadlines, pending)
-
-    def _fits(self, deadlines: list[int], pending: PendingBatch) -> bool:
-        """Can groups with these deadlines all be trained by later steps (each `n_groups` slots)? Groups
-        beyond the job's last step count as fitting: they would be surplus anyway."""
-        if not deadlines:
-            return True
-        u = self.settings.update_weights_interval
-        due = sorted(deadlines)
-        slots = 0
-        step = pending.step + 1
-        i = 0
-        while i < len(due):
-            if step >= self.settings.num_rollout:
-                return True  # the rest would go unused even with more slots: surplus, not stranded
-            version = pending.policy_version + (step // u - pending.step // u)
-            while i < len(due) and due[i] < version:
-                if i >= slots:
-                    return False
-                i += 1
-            slots += pending.n_groups
-            step += 1
-        return True
+    def _unfinished_training_versions(self) -> list[int]:
+        """For each training group generating or scoring, the version its deadline counts from: its
+        oldest token's once generated, else the version it was dispatched with (a lower bound)."""
+        is_eval = self.evals.is_eval
+        versions = [g.min_weight_version for g, _ in self.generating.values() if not is_eval(g.group_id)]
+        versions += [g.oldest_version if g.samples else g.min_weight_version for g in self.to_score if not is_eval(g.group_id)]
+        versions += [g.oldest_version for g, _ in self.scoring.values() if not is_eval(g.group_id)]
+        return versions
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
-        """The trainer finished `step`. Idempotent: a repeated report (after a reconnect, or of a
-        replayed step) changes nothing. The broker's record of the step's batch decides which groups
-        were trained; a report naming other groups is counted as a bad message."""
-        ids = self.step_batches.get(step)
-        if ids is None:
-            if step >= self.trained_steps:
-                self.counters["bad_messages"] += 1  # a step that never had a batch
-            return []
-        if sorted(group_ids) != sorted(ids):
-            self.counters["bad_messages"] += 1
-        newly_done = step >= self.trained_steps or any(g in self.training for g in ids)
-        self.apply_step_done(step)
-        if newly_done:
-            self._record(JournalStepDone(step=step, counters=dict(self.counters)))
+        """The trainer finished `step` (`BatchPlanner.step_done`: idempotent); finish if it was the last."""
+        self.batches.step_done(step, group_ids)
         return self._maybe_finish()
 
-    def apply_step_done(self, step: int) -> None:
-        """Move step `step`'s groups from training to trained (also used when replaying the journal)."""
-        for group_id in self.step_batches.get(step, []):
-            group = self.training.pop(group_id, None)
-            if group is not None and self.settings.retain_until_checkpoint:
-                self.retained[group_id] = group
-            first = self.trained_in_step.setdefault(group_id, step)
-            if first != step:
-                self.counters["groups_trained_twice"] += 1
-            elif group is not None:
-                self.counters["groups_trained"] += 1
-        self.trained_steps = max(self.trained_steps, step + 1)
-        if not self.settings.retain_until_checkpoint:
-            self.release_batches_before(self.trained_steps)
-        if self.trained_steps >= self.settings.num_rollout:
-            self.training_done = True
-
     def on_checkpoint(self, steps_done: int) -> None:
-        """The trainer saved a resumable checkpoint after `steps_done` steps: it will never ask for an
-        earlier step again, so those batches are released."""
-        if steps_done <= self.checkpoint_steps:
-            return
-        self.release_batches_before(steps_done)
-        self._record(JournalCheckpoint(steps_done=steps_done))
-
-    def release_batches_before(self, steps_done: int) -> None:
-        self.checkpoint_steps = max(self.checkpoint_steps, min(steps_done, self.trained_steps))
-        for step in [s for s in self.step_batches if s < self.checkpoint_steps]:
-            for group_id in self.step_batches.pop(step):
-                self.retained.pop(group_id, None)
+        """The trainer saved a resumable checkpoint after `steps_done` steps: earlier batches are released."""
+        self.batches.checkpoint(steps_done)
 
     def _maybe_finish(self) -> Outgoing:
         """Finish (tell every worker to shut down) once training is done and no eval is outstanding."""
-        if self.finished or not self.training_done:
-            return []
-        if self.eval_outbox or (self.evals is not None and self.evals.busy):
+        if self.finished or not self.batches.done or self.evals.outstanding:
             return []
         self.finished = True
         self._record(JournalFinished(trained_steps=self.trained_steps))
@@ -654,68 +346,50 @@ class BrokerState:
             self._record(JournalPublished(version=self.published_version, endpoint=endpoint))
             announce = WeightVersionAnnounce(version=self.published_version, endpoint=endpoint)
             out = [(w.identity, announce) for w in self.registry.of_role("rollout")]
-        if step is not None and self.evals is not None and self.evals.is_due(step):
-            groups = self.evals.start(step, version, now)
-            self.eval_queue.extend(groups)
-            self.counters["eval_runs_started"] += 1
+        if step is not None:
+            self.evals.start_if_due(step, version, now)
         return out
 
     def poll_evals(self) -> Outgoing:
         """Send finished eval runs to the trainer (kept until one is connected), then finish if due."""
-        if self.evals is not None:
-            finished = self.evals.pop_finished()
-            self.counters["eval_runs_done"] += len(finished)
-            self.eval_outbox.extend(finished)
+        self.evals.collect()
         out: Outgoing = []
         trainers = self.registry.of_role("trainer")
-        if self.eval_outbox and trainers:
-            out = [(t.identity, result) for result in self.eval_outbox for t in trainers]
-            self.eval_outbox = []
+        if self.evals.outbox and trainers:
+            out = [(t.identity, result) for result in self.evals.take_results() for t in trainers]
         return out + self._maybe_finish()
 
+    # --- restore -------------------------------------------------------------------------------
+
+    def replay(self, record: JournalRecord) -> None:
+        """Apply one journal record to the parts (restore; `vime.broker.recovery`). Raises JournalError
+        when the journal contradicts itself."""
+        if isinstance(record, JournalBuffered) and record.group.group_id not in self.admission.admitted:
+            raise JournalError(f"journal: group {record.group.group_id} buffered but never admitted")
+        self.admission.replay(record)
+        self.batches.replay(record)
+        if isinstance(record, JournalPublished):
+            self.published_version = max(self.published_version, record.version)
+            self.weight_endpoint = record.endpoint
+
     # --- status --------------------------------------------------------------------------------
+
+    def placed_ids(self) -> set[str]:
+        """Training groups somewhere other than the admission ledger: trained or in a queue."""
+        b = self.batches
+        placed = set(b.trained_in_step) | set(b.buffer) | set(b.training) | set(self.generating) | set(self.scoring)
+        placed |= {g.group_id for g in self.retry_queue} | {g.group_id for g in self.to_score}
+        return placed
 
     @property
     def groups_lost(self) -> int:
         """Admitted training groups that are nowhere: not trained, not dropped for a recorded reason,
         not in any queue. Must be 0; computed from the ledgers, not from the counters."""
-        placed = set(self.trained_in_step) | set(self.dropped) | set(self.buffer) | set(self.training)
-        placed |= {g.group_id for g in self.retry_queue} | set(self.generating) | set(self.scoring)
-        placed |= {g.group_id for g in self.to_score}
-        return len(self.admitted_ids - placed)
+        return len(self.admission.unplaced(self.placed_ids()))
 
     def status(self, now: float) -> dict[str, Any]:
-        return {
-            "weight_version": self.published_version,
-            "step": self.trained_steps,
-            "finished": self.finished,
-            "groups_lost": self.groups_lost,
-            "groups_trained_twice": self.counters["groups_trained_twice"],
-            "checkpoint_steps": self.checkpoint_steps,
-            "admission_limit": self.admission_limit,
-            "committed": self.committed,
-            "queues": {
-                "eval": len(self.eval_queue),
-                "retry": len(self.retry_queue),
-                "generating": len(self.generating),
-                "to_score": len(self.to_score),
-                "scoring": len(self.scoring),
-                "buffered": len(self.buffer),
-                "training": len(self.training),
-            },
-            "counters": dict(self.counters),
-            "dynamic_sampling": self.dynamic.status(self.settings.over_sampling_batch_size, self.over_sampling_margin),
-            "eval": self.evals.status() if self.evals is not None else None,
-            "workers": [
-                {
-                    "worker_id": w.worker_id,
-                    "role": w.role,
-                    "credits": w.credits,
-                    "leased": len(w.leased),
-                    "weight_version": w.weight_version,
-                    "seconds_since_seen": round(now - w.last_seen, 3),
-                    "stats": w.stats,
-                }
-                for w in self.workers.values()
-            ],
-        }
+        """What `vime status` shows (`vime.broker.status`)."""
+        return broker_status(self, now)
+
+
+__all__ = ["BrokerSettings", "BrokerState", "CannotServeStep", "Outgoing"]

@@ -1,0 +1,295 @@
+"""Batch planning: the scored-group buffer, the staleness gate, and each training step's batch.
+
+Owns the buffer of trainable groups, the trainer's pending request, the groups out for training, each
+step's batch (kept until the trainer's checkpoint covers it, so a resumed trainer gets the same groups
+again) and the ledger of trained groups. A batch takes the earliest deadlines first and waits rather
+than strand a group still on its way (docs/broker.md, "Staleness"). Writes the journal records of its
+decisions (`JournalBuffered`, `JournalBatch`, `JournalStepDone`, `JournalCheckpoint`) and replays them.
+Groups too stale to train leave through the `drop` callback (the admission ledger's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vime.broker.journal import (
+    JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalError, JournalRecord, JournalSnapshot,
+    JournalStepDone,
+)
+from vime.broker.settings import BrokerSettings
+from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
+from vime.protocol.messages import Group, TrainBatch
+
+
+class CannotServeStep(ProtocolError):
+    """The trainer asked for a step whose batch is gone (before the last checkpoint) or not reachable."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(ERROR_CANNOT_RESUME, detail)
+
+
+@dataclass
+class PendingBatch:
+    identity: bytes
+    step: int
+    n_groups: int
+    policy_version: int
+    since: float
+
+
+class BatchPlanner:
+    def __init__(
+        self, settings: BrokerSettings, counters: dict[str, int], *, order: Callable[[str], int],
+        drop: Callable[[str, str], None], record: Callable[[JournalRecord], None],
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.counters = counters
+        self._order = order
+        self._drop = drop
+        self._record = record
+        self.buffer: OrderedDict[str, Group] = OrderedDict()
+        self.training: dict[str, Group] = {}
+        # Per step (from the last trainer checkpoint on): the group ids of its batch, and the payloads of
+        # trained groups still replayable by a trainer that resumes from that checkpoint.
+        self.step_batches: dict[int, list[str]] = {}
+        self.retained: dict[str, Group] = {}
+        self.trained_in_step: dict[str, int] = {}
+        self.trained_steps = 0
+        self.checkpoint_steps = 0
+        self.pending: PendingBatch | None = None
+        # The oldest token version in the buffer (None: recompute), so the gate scans the buffer only
+        # when some group may have turned stale rather than on every event.
+        self._oldest_buffered: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """Every training step of the job is trained."""
+        return self.trained_steps >= self.settings.num_rollout
+
+    @property
+    def kept(self) -> int:
+        """Groups kept for training: buffered, out for training, or trained."""
+        return len(self.trained_in_step) + len(self.training) + len(self.buffer)
+
+    def add(self, group: Group) -> None:
+        """A scored, kept training group becomes trainable (journaled with its samples)."""
+        self.buffer[group.group_id] = group
+        if self._oldest_buffered is not None:
+            self._oldest_buffered = min(self._oldest_buffered, group.oldest_version)
+        self._record(JournalBuffered(group=group))
+
+    def forget_trainer(self, identity: bytes) -> None:
+        """The trainer left: its pending request goes with it."""
+        if self.pending is not None and self.pending.identity == identity:
+            self.pending = None
+
+    # --- requests and batches ------------------------------------------------------------------
+
+    def request(self, identity: bytes, step: int, n_groups: int, policy_version: int, now: float) -> TrainBatch | None:
+        """Record the trainer's request for step `step`; a step that already has a batch gets the same
+        groups again at once (a lost reply, a restarted broker, or a trainer resumed from a checkpoint).
+
+        Raises CannotServeStep for a finished step whose batch was released (it is before the last
+        checkpoint the trainer reported): the trainer resumed from the wrong place.
+        """
+        self.pending = None
+        if step in self.step_batches:
+            return self._resend(step, policy_version)
+        if step < self.trained_steps:
+            raise CannotServeStep(
+                f"the trainer asked for step {step}, but the job has trained {self.trained_steps} steps and released "
+                f"the batches before step {self.checkpoint_steps} when the trainer reported a checkpoint there: resume "
+                "the trainer from that checkpoint or a later one (--load latest)"
+            )  # fmt: skip
+        self.pending = PendingBatch(identity, step, n_groups, policy_version, now)
+        return None
+
+    def _resend(self, step: int, policy_version: int) -> TrainBatch:
+        groups = [self.training[g] if g in self.training else self.retained[g] for g in self.step_batches[step]]
+        replayed = step < self.trained_steps
+        self.counters["steps_replayed" if replayed else "batches_resent"] += 1
+        stats = {**staleness_stats(groups, policy_version), "batch_wait_s": 0.0}
+        return TrainBatch(step=step, groups=groups, stats=stats, replayed=replayed)
+
+    def fill(self, now: float, unfinished: Callable[[], list[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
+        """The pending request's batch if enough trainable groups are buffered, with its recipient.
+
+        `unfinished`: the deadline-bearing versions of training groups still generating or scoring
+        (see `_would_strand`); `keep_rate`: the fraction of them the filter is expected to keep.
+        """
+        pending = self.pending
+        if pending is None:
+            return None
+        self._drop_stale(pending.policy_version)
+        if len(self.buffer) < pending.n_groups:
+            return None
+        by_deadline = sorted(self.buffer, key=lambda g: (self.buffer[g].oldest_version, self._order(g)))
+        ordered = by_deadline[: pending.n_groups]
+        if self._would_strand(pending, by_deadline[pending.n_groups :], unfinished, keep_rate):
+            return None
+        groups = [self.buffer.pop(g) for g in ordered]
+        self._oldest_buffered = None
+        for group in groups:
+            self.training[group.group_id] = group
+        self.step_batches[pending.step] = list(ordered)
+        self._record(JournalBatch(step=pending.step, group_ids=list(ordered), policy_version=pending.policy_version))
+        self.pending = None
+        stats = {**staleness_stats(groups, pending.policy_version), "batch_wait_s": now - pending.since}
+        return pending.identity, TrainBatch(step=pending.step, groups=groups, stats=stats)
+
+    def _drop_stale(self, policy_version: int) -> None:
+        """The gate: buffered groups older than max_staleness versions at `policy_version` leave."""
+        limit = self.settings.max_staleness
+        if self._oldest_buffered is None:
+            self._oldest_buffered = min((g.oldest_version for g in self.buffer.values()), default=policy_version)
+        if policy_version - self._oldest_buffered <= limit:
+            return
+        for group_id in [g for g, grp in self.buffer.items() if policy_version - grp.oldest_version > limit]:
+            del self.buffer[group_id]
+            self.counters["groups_dropped_stale"] += 1
+            self._drop(group_id, "stale")
+        self._oldest_buffered = None
+
+    def _would_strand(
+        self, pending: PendingBatch, left_buffered: list[str], unfinished: Callable[[], list[int]], keep_rate: float,
+    ) -> bool:  # fmt: skip
+        """True if sending this batch now would leave a group still generating or scoring with no step
+        left to train it before it turns stale, where waiting for it would not (docs/broker.md).
+
+        Every training group has a deadline: the last policy version that may train it (its oldest token
+        version + max_staleness; for an unfinished group the version it was dispatched with, a lower
+        bound, so the check errs toward waiting). The steps after this one offer `n_groups` slots each at
+        known policy versions. The left-behind groups fit if, for every deadline v, no more of them are due
+        by v than there are slots by v (earliest deadline first). Waiting is only worth it when the
+        unfinished groups are what breaks that; if the buffered ones alone do not fit, they cannot be
+        helped and the batch goes now.
+        """
+        limit = self.settings.max_staleness
+        left = [self.buffer[g].oldest_version + limit for g in left_buffered]
+        if not self._fits(left, pending):
+            return False
+        versions = unfinished()
+        if not versions:
+            return False
+        # With a dynamic sampling filter only a fraction of them will be kept: count that many of the most urgent.
+        # Those already past their deadline are lost to the gate whatever happens: no reason to wait.
+        savable = sorted(d for d in (v + limit for v in versions) if d >= pending.policy_version)
+        expected = math.ceil(len(savable) * keep_rate - 1e-9)
+        return not self._fits(left + savable[:expected], pending)
+
+    def _fits(self, deadlines: list[int], pending: PendingBatch) -> bool:
+        """Can groups with these deadlines all be trained by later steps (each `n_groups` slots)? Groups
+        beyond the job's last step count as fitting: they would be surplus anyway."""
+        if not deadlines:
+            return True
+        u = self.settings.update_weights_interval
+        due = sorted(deadlines)
+        slots = 0
+        step = pending.step + 1
+        i = 0
+        while i < len(due):
+            if step >= self.settings.num_rollout:
+                return True  # the rest would go unused even with more slots: surplus, not stranded
+            version = pending.policy_version + (step // u - pending.step // u)
+            while i < len(due) and due[i] < version:
+                if i >= slots:
+                    return False
+                i += 1
+            slots += pending.n_groups
+            step += 1
+        return True
+
+    # --- finished steps and checkpoints --------------------------------------------------------
+
+    def step_done(self, step: int, group_ids: list[str]) -> bool:
+        """The trainer finished `step`; True if that is news (journaled then). Idempotent: a repeated
+        report (after a reconnect, or of a replayed step) changes nothing. The broker's record of the
+        step's batch decides which groups were trained; a report naming other groups, or a step that never
+        had a batch, is counted as a bad message."""
+        ids = self.step_batches.get(step)
+        if ids is None:
+            if step >= self.trained_steps:
+                self.counters["bad_messages"] += 1
+            return False
+        if sorted(group_ids) != sorted(ids):
+            self.counters["bad_messages"] += 1
+        newly_done = step >= self.trained_steps or any(g in self.training for g in ids)
+        self._apply_step_done(step)
+        if newly_done:
+            self._record(JournalStepDone(step=step, counters=dict(self.counters)))
+        return newly_done
+
+    def _apply_step_done(self, step: int) -> None:
+        """Move step `step`'s groups from training to trained."""
+        for group_id in self.step_batches.get(step, []):
+            group = self.training.pop(group_id, None)
+            if group is not None and self.settings.retain_until_checkpoint:
+                self.retained[group_id] = group
+            first = self.trained_in_step.setdefault(group_id, step)
+            if first != step:
+                self.counters["groups_trained_twice"] += 1
+            elif group is not None:
+                self.counters["groups_trained"] += 1
+        self.trained_steps = max(self.trained_steps, step + 1)
+        if not self.settings.retain_until_checkpoint:
+            self._release_before(self.trained_steps)
+
+    def checkpoint(self, steps_done: int) -> None:
+        """The trainer saved a resumable checkpoint after `steps_done` steps: it will never ask for an
+        earlier step again, so those batches are released."""
+        if steps_done <= self.checkpoint_steps:
+            return
+        self._release_before(steps_done)
+        self._record(JournalCheckpoint(steps_done=steps_done))
+
+    def _release_before(self, steps_done: int) -> None:
+        self.checkpoint_steps = max(self.checkpoint_steps, min(steps_done, self.trained_steps))
+        for step in [s for s in self.step_batches if s < self.checkpoint_steps]:
+            for group_id in self.step_batches.pop(step):
+                self.retained.pop(group_id, None)
+
+    # --- restore -------------------------------------------------------------------------------
+
+    def replay(self, record: JournalRecord) -> None:
+        """Apply one of this part's journal records (others are ignored). Raises JournalError when the
+        journal contradicts itself."""
+        if isinstance(record, JournalBuffered):
+            group_id = record.group.group_id
+            if group_id in self.buffer or group_id in self.training or group_id in self.trained_in_step:
+                raise JournalError(f"journal: group {group_id} buffered twice")
+            self.buffer[group_id] = record.group
+        elif isinstance(record, JournalDropped):
+            self.buffer.pop(record.group_id, None)
+        elif isinstance(record, JournalBatch):
+            missing = [g for g in record.group_ids if g not in self.buffer]
+            if missing:
+                raise JournalError(f"journal: step {record.step}'s batch names groups not in the buffer: {missing[:5]}")
+            for group_id in record.group_ids:
+                self.training[group_id] = self.buffer.pop(group_id)
+            self.step_batches[record.step] = list(record.group_ids)
+        elif isinstance(record, JournalStepDone):
+            self._apply_step_done(record.step)
+        elif isinstance(record, JournalCheckpoint):
+            self._release_before(record.steps_done)
+        self._oldest_buffered = None
+
+    def restore_snapshot(self, snap: JournalSnapshot) -> None:
+        """A compacted journal's snapshot: the steps done, the checkpoint, the trained groups."""
+        self.trained_steps = snap.trained_steps
+        self.checkpoint_steps = snap.checkpoint_steps
+        self.trained_in_step = {g: -1 for g in snap.trained_ids}
+
+    def finish_restore(self) -> None:
+        """After the replay: the buffer in dispatch order, as it was built live."""
+        self.buffer = OrderedDict(sorted(self.buffer.items(), key=lambda kv: self._order(kv[0])))
+
+
+def staleness_stats(groups: list[Group], policy_version: int) -> dict[str, float]:
+    """How many versions behind `policy_version` a batch's groups are: mean and max."""
+    staleness = [policy_version - g.oldest_version for g in groups]
+    return {"staleness_mean": float(np.mean(staleness)), "staleness_max": float(np.max(staleness))}

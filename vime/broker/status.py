@@ -1,0 +1,46 @@
+"""The broker's status: one JSON-ready dict of its queues, counters, parts and workers, for `vime status`
+(over the socket, or from the snapshot file the server writes when the broker is not reachable)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vime.broker.state import BrokerState
+
+
+def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
+    return {
+        "weight_version": state.published_version,
+        "step": state.trained_steps,
+        "finished": state.finished,
+        "groups_lost": state.groups_lost,
+        "groups_trained_twice": state.counters["groups_trained_twice"],
+        "checkpoint_steps": state.batches.checkpoint_steps,
+        "admission_limit": state.admission_limit,
+        "committed": state.committed,
+        "queues": {
+            "eval": len(state.evals.queue),
+            "retry": len(state.retry_queue),
+            "generating": len(state.generating),
+            "to_score": len(state.to_score),
+            "scoring": len(state.scoring),
+            "buffered": len(state.batches.buffer),
+            "training": len(state.batches.training),
+        },
+        "counters": dict(state.counters),
+        "dynamic_sampling": state.dynamic.status(state.settings.over_sampling_batch_size, state.over_sampling_margin),
+        "eval": state.evals.status(),
+        "workers": [
+            {
+                "worker_id": w.worker_id,
+                "role": w.role,
+                "credits": w.credits,
+                "leased": len(w.leased),
+                "weight_version": w.weight_version,
+                "seconds_since_seen": round(now - w.last_seen, 3),
+                "stats": w.stats,
+            }
+            for w in state.workers.values()
+        ],
+    }
