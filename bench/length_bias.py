@@ -4,7 +4,7 @@ A discrete-event simulation in simulated time that drives the *real* broker logi
 (`vime.broker.state.BrokerState` with `BrokerSettings` and a `PromptCursor`, fed and read through the
 protocol's `Group`/`Sample` messages) with simulated rollout workers, a reward worker and a trainer.
 No sockets, no models: only the broker is production code; everything around it mimics what
-`workers/rollout.py`, `vime/rollout/vllm_engine.py` and `workers/trainer.py` do, in simulated seconds.
+`vime/workers/rollout.py`, `vime/rollout/vllm_engine.py` and `vime/workers/trainer.py` do, in simulated seconds.
 
 Model:
 - Response lengths are heavy tailed: log(length) = log(median) + prompt effect + sample noise (both
@@ -80,7 +80,7 @@ from vime.protocol.messages import (  # noqa: E402
     WeightVersionAnnounce,
 )
 from vime.rollout.base import GeneratedSample, versions_from_spans  # noqa: E402
-from workers.rollout import to_sample  # noqa: E402
+from vime.workers.rollout import to_sample  # noqa: E402
 
 NO_GATE = 10**6  # "no gate": a max_staleness no run reaches (admission is then bounded by num_rollout only)
 TRAINER, REWARD = b"trainer-0", b"reward-0"

@@ -3,9 +3,9 @@
 Starts `bin/vime-reward-server` on 127.0.0.1 (a free port), then for each reward (`arithmetic`, the CPU
 demo's, microseconds of work; `gsm8k`, math-verify in a process pool) scores the same samples:
 - bare function (arithmetic only): the demo's scoring function in a plain loop, the ceiling;
-- in process: the worker's local path, `workers.reward.score_groups` over a `LocalScorer` of the
+- in process: the worker's local path, `vime.workers.reward.score_groups` over a `LocalScorer` of the
   reward function it would build for `--rm-type NAME` (`build_reward_fn`), every sample concurrently;
-- remote, per format: `workers.reward.score_groups` (the worker's own scoring path, minus the broker)
+- remote, per format: `vime.workers.reward.score_groups` (the worker's own scoring path, minus the broker)
   over a `RemoteReward` client: slime (one POST per sample), openrlhf and vime (batches of
   `--batch-size`), `--concurrency` requests in flight.
 - a standard-library server (`bench/stdlib_reward_server.py`: ThreadingHTTPServer, HTTP/1.0, listen
@@ -54,7 +54,7 @@ from vime.protocol.messages import Group, Sample, ScoringGroup  # noqa: E402
 from vime.rewards import build_reward_fn  # noqa: E402
 from vime.rewards.math import MathReward, MathVerifier  # noqa: E402
 from vime.rewards.remote import RemoteReward, RemoteRewardSettings  # noqa: E402
-from workers.reward import LocalScorer, score_groups  # noqa: E402
+from vime.workers.reward import LocalScorer, score_groups  # noqa: E402
 
 GROUP_SIZE = 8
 

@@ -413,8 +413,8 @@ def test_a_trajectory_that_ends_after_an_env_turn_cannot_carry_an_r3_trace() -> 
 
 def test_the_reward_worker_keeps_environment_rewards_and_rollout_failures_and_scores_the_rest() -> None:
     from vime.protocol.messages import Group, Sample, ScoringGroup
-    from workers.reward import LocalScorer, score_groups
-    from workers.rollout import failed_sample
+    from vime.workers.reward import LocalScorer, score_groups
+    from vime.workers.rollout import failed_sample
 
     seen: list[str] = []
 

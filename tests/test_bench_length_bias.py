@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vime.protocol.messages import Group, GroupsGenerated
-from workers.rollout import to_sample
+from vime.workers.rollout import to_sample
 
 from conftest import load_bench
 

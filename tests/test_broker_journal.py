@@ -310,7 +310,7 @@ def test_trainer_resume_replays_kept_steps_and_refuses_released_ones() -> None:
 
 def test_broker_restarts_counts_every_restart_and_counters_survive_them(tmp_path: Path) -> None:
     """Issue 15: two restarts read `broker_restarts == 1`. A restart rewrites the journal (as
-    `workers/broker.py:open_journal` does) as a snapshot followed by the replayable steps' records, and
+    `vime/workers/broker.py:open_journal` does) as a snapshot followed by the replayable steps' records, and
     restoring those used to replace the snapshot's counters by the steps' empty ones."""
     job = Journaled(tmp_path / "broker.journal", batch=2, staleness=3, num_rollout=10, retain=True)
     state = job.state
@@ -335,7 +335,7 @@ def test_a_broker_killed_after_the_last_step_finishes_the_job_and_a_finished_job
     from vime.broker.journal import JournalFinished, journal_file
     from vime.broker.recovery import job_finished
     from vime.protocol.messages import Shutdown
-    from workers.broker import open_journal
+    from vime.workers.broker import open_journal
 
     path = journal_file(tmp_path)
     job = Journaled(path, batch=2, staleness=3, num_rollout=2)

@@ -20,7 +20,7 @@ def test_the_broker_tokenizes_the_demo_prompts_without_torch(demo_model: Path) -
     code = (
         "import json, sys\n"
         "from vime.config import load_config\n"
-        "from workers.broker import build_state\n"
+        "from vime.workers.broker import build_state\n"
         f"cfg = load_config(None, {{'hf_checkpoint': {str(demo_model)!r}, 'prompt_data': 'demo:arithmetic'}})\n"
         "state = build_state(cfg)\n"
         "print(json.dumps({'torch': 'torch' in sys.modules, 'prompts': len(state.admission.cursor)}))\n"

@@ -81,8 +81,8 @@ def test_same_samples_replay_brings_the_trainer_closer_to_the_engine(tiny_moe: P
     from vime.protocol.messages import Group, GroupsGenerated
     from vime.rollout import SamplingConfig, build_engine
     from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
-    from workers.rollout import to_sample
-    from workers.trainer import groups_to_batch
+    from vime.workers.rollout import to_sample
+    from vime.workers.trainer import groups_to_batch
 
     torch.set_num_threads(1)
     engine = build_engine("hf", str(tiny_moe), engine_args={"dtype": "bfloat16", "seed": 0}, capture_routing=True)

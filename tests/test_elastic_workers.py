@@ -169,7 +169,7 @@ def test_a_rollout_worker_joins_a_running_job_takes_work_and_leaves_cleanly(tmp_
         joined_log = tmp_path / "joined.log"
         with joined_log.open("w") as log:
             joined = subprocess.Popen(
-                [sys.executable, "-m", "workers.main", "--role", "rollout", "--config", str(run_dir / "config.yaml"),
+                [sys.executable, "-m", "vime.workers.main", "--role", "rollout", "--config", str(run_dir / "config.yaml"),
                  "--worker-id", "rollout-joined"],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip

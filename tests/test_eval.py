@@ -410,8 +410,8 @@ def test_an_eval_group_holds_weight_updates_until_it_is_generated(monkeypatch: p
     import asyncio
 
     from vime.rollout import SamplingConfig
-    from workers import rollout
-    from workers.rollout import RolloutWorker
+    from vime.workers import rollout
+    from vime.workers.rollout import RolloutWorker
 
     # The run's second group comes 20 ms after the first ends; a grace of 1 s (not the shipped 0.25 s)
     # keeps a loaded machine's scheduling delays from outlasting it.

@@ -161,7 +161,7 @@ def test_megatron_flags_are_checked_when_the_config_loads():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
 def test_megatron_backend_without_gpu_or_megatron_core_says_why(checkpoint):
     from vime.config import load_config
-    from workers.trainer import build_trainer
+    from vime.workers.trainer import build_trainer
 
     cfg = load_config(None, {"train_backend": "megatron", "hf_checkpoint": checkpoint})
     with pytest.raises(RuntimeError, match="megatron-core|CUDA"):

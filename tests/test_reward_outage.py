@@ -265,7 +265,7 @@ def test_an_outage_costs_time_not_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 15: with the server down 40 s, 4,706 groups failed and every epoch-0 prompt was discarded.
     Now: nothing listens for ~2 s, then the server starts; every group is scored, none dropped, and the
     worker said what was going on (which URL, for how long) while it waited."""
-    from workers.reward import RewardWorker
+    from vime.workers.reward import RewardWorker
 
     recorder = Recorder()
     monkeypatch.setattr(remote, "log", recorder)

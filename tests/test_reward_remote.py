@@ -366,7 +366,7 @@ def _group(group_id: str, responses: list[str], label: str = "2"):
 
 
 def test_worker_scores_each_group_and_marks_failures_without_losing_samples(fault_server: str) -> None:
-    from workers.reward import score_groups
+    from vime.workers.reward import score_groups
 
     groups = [_group("g0", ["a", "bb"]), _group("g1", ["ccc"])]
 
@@ -384,7 +384,7 @@ def test_worker_scores_each_group_and_marks_failures_without_losing_samples(faul
 
 
 def test_worker_survives_a_scorer_that_raises() -> None:
-    from workers.reward import score_groups
+    from vime.workers.reward import score_groups
 
     class Broken:
         async def score_batch(self, batch):

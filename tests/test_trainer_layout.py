@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.trainer import TrainerLayoutError, init_distributed
+from vime.workers.trainer import TrainerLayoutError, init_distributed
 
 
 def test_second_rank_on_a_one_gpu_node_names_the_gpus_it_found(monkeypatch) -> None:

@@ -240,7 +240,7 @@ class FlakyEngine:
 
 
 def _worker(engine: FlakyEngine, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    from workers import rollout
+    from vime.workers import rollout
 
     monkeypatch.setattr(rollout, "UPDATE_RETRY_S", 0.05)
     cfg = SimpleNamespace(rollout_concurrency=1, heartbeat_interval_s=1.0, colocate=False)
@@ -250,7 +250,7 @@ def _worker(engine: FlakyEngine, monkeypatch: pytest.MonkeyPatch):  # type: igno
 def test_a_rollout_worker_survives_a_failed_update_and_catches_up_to_the_latest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers import rollout
+    from vime.workers import rollout
 
     log = Recorder()
     monkeypatch.setattr(rollout, "log", log)
@@ -280,7 +280,7 @@ def test_a_rollout_worker_survives_a_failed_update_and_catches_up_to_the_latest(
 def test_a_rollout_worker_whose_updates_keep_failing_stops_instead_of_waiting_forever(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers import rollout
+    from vime.workers import rollout
 
     engine = FlakyEngine(failures=100)
 

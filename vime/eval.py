@@ -16,7 +16,7 @@ than k scored samples is left out of pass@k's average.
 Metrics of a run, per set NAME: `eval/NAME/pass@k` for k = 1, 2, 4, ... and k = n, `reward_mean`,
 `response_len`, `truncated_ratio`, `num_prompts`, `samples_failed`, and the oldest and newest weight
 version that produced any of its tokens (`weight_version_min`/`_max`: normally both the run's
-version; see `workers/rollout.py` for how workers hold it); plus `eval/time_s`, the run's wall time.
+version; see `vime/workers/rollout.py` for how workers hold it); plus `eval/time_s`, the run's wall time.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
     common = ["--config", str(config_path)]
     base = _base_env()
     cpu_only = not _has_cuda()
-    children = [Child("broker", [py, "-m", "workers.broker", *common], base, logs / "broker.log")]
+    children = [Child("broker", [py, "-m", "vime.workers.broker", *common], base, logs / "broker.log")]
     for i in range(cfg.num_reward_workers):
-        children.append(Child(f"reward-{i}", [py, "-m", "workers.main", "--role", "reward", "--worker-id", f"reward-{i}", *common], base, logs / f"reward-{i}.log"))
+        children.append(Child(f"reward-{i}", [py, "-m", "vime.workers.main", "--role", "reward", "--worker-id", f"reward-{i}", *common], base, logs / f"reward-{i}.log"))
     for i in range(cfg.num_rollout_workers):
         env = dict(base)
         if cpu_only:
@@ -64,14 +64,14 @@ def plan_children(cfg: VimeConfig, config_path: Path) -> list[Child]:
                 env.setdefault(key, value)
             # Only used when a user picks vLLM's multiprocess executor.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(i % max(1, os.cpu_count() or 1)))
-        children.append(Child(f"rollout-{i}", [py, "-m", "workers.main", "--role", "rollout", "--worker-id", f"rollout-{i}", *common], env, logs / f"rollout-{i}.log"))
+        children.append(Child(f"rollout-{i}", [py, "-m", "vime.workers.main", "--role", "rollout", "--worker-id", f"rollout-{i}", *common], env, logs / f"rollout-{i}.log"))
     master_port = str(free_port())
     for rank in range(cfg.trainer_world_size):
         env = dict(base)
         env.update(RANK=str(rank), WORLD_SIZE=str(cfg.trainer_world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
         if cpu_only:
             env.setdefault("OMP_NUM_THREADS", "1")
-        children.append(Child(f"trainer-{rank}", [py, "-m", "workers.main", "--role", "trainer", "--worker-id", f"trainer-{rank}", *common], env, logs / f"trainer-{rank}.log"))
+        children.append(Child(f"trainer-{rank}", [py, "-m", "vime.workers.main", "--role", "trainer", "--worker-id", f"trainer-{rank}", *common], env, logs / f"trainer-{rank}.log"))
     return children
 
 
