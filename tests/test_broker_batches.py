@@ -3,6 +3,8 @@ batches kept until a checkpoint, and its journal replay."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -50,8 +52,8 @@ def batch_of(filled: tuple[bytes, TrainBatch] | None) -> list[str]:
     return [g.group_id for g in batch.groups]
 
 
-def no_unfinished() -> list[int]:
-    return []
+def no_unfinished() -> Counter[int]:
+    return Counter()
 
 
 def test_a_request_waits_for_enough_groups_then_takes_the_earliest_deadlines() -> None:
@@ -88,8 +90,10 @@ def test_a_batch_waits_rather_than_strand_a_group_still_generating() -> None:
     p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
     # One step at version 1 (this one) and one at version 2 are left for deadline-2 groups: both buffered
     # ones fit, but a third group dispatched at version 1 and still generating would not.
-    assert p.fill(0.0, lambda: [1], 1.0) is None, "waits for the unfinished group"
-    assert p.fill(0.0, lambda: [1], 0.0) is not None, "a filter expected to drop it: nothing to wait for"
+    assert p.fill(0.0, lambda: Counter([1]), 1.0) is None, "waits for the unfinished group"
+    assert p.fill(0.0, lambda: Counter([1]), 0.0) is None, "nothing changed since: not looked at again"
+    p.in_flight_changed()  # in the broker, a scored group (which updates the keep rate) leaves the flight
+    assert p.fill(0.0, lambda: Counter([1]), 0.0) is not None, "a filter expected to drop it: nothing to wait for"
 
 
 def test_step_done_is_idempotent_and_checks_the_groups() -> None:

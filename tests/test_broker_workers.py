@@ -51,3 +51,61 @@ def test_liveness_reregistration_and_stats() -> None:
     old = registry.register(b"r", "r-1b", "rollout", now=6.0)  # a restarted worker under the same identity
     assert old is not None and old.worker_id == "r-1" and old.weight_version == 3
     assert registry.get(b"r").worker_id == "r-1b"  # type: ignore[union-attr]
+
+
+def test_lease_out_picks_exactly_what_a_scan_of_every_worker_would() -> None:
+    """The registry ranks workers with a heap (a thousand workers made the per-group scan the broker's
+    hot spot); under random credits, leases, results (discards outside the registry), departures and
+    re-registrations it must choose exactly as the scan did: fewest leases, most credits, earliest
+    registered."""
+    import random
+
+    rng = random.Random(7)
+    registry = WorkerRegistry()
+    order: list[bytes] = []  # the scan's order: dict insertion order of registrations
+
+    def scan_choice(role: str) -> bytes | None:
+        candidates = [registry.workers[i] for i in order if registry.workers[i].role == role and registry.workers[i].credits > 0]
+        return min(candidates, key=lambda w: (len(w.leased), -w.credits)).identity if candidates else None
+
+    next_group = 0
+    leases: dict[str, tuple[Group, bytes]] = {}
+    for _ in range(3000):
+        op = rng.random()
+        identity = f"w{rng.randrange(12)}".encode()
+        role = rng.choice(["rollout", "reward"])
+        if op < 0.1:
+            if identity not in registry.workers:
+                order.append(identity)
+            registry.register(identity, identity.decode(), role, now=0.0)
+        elif op < 0.15 and identity in registry.workers:
+            registry.remove(identity)
+            order.remove(identity)
+        elif op < 0.45 and identity in registry.workers:
+            registry.add_credit(identity, rng.randint(1, 3))
+        elif op < 0.7 and identity in registry.workers and registry.workers[identity].leased:
+            registry.end_lease(identity, rng.choice(sorted(registry.workers[identity].leased)))
+        else:
+            expected = scan_choice(role)
+            got = registry.with_credit(role)
+            assert (got.identity if got else None) == expected
+            queue = groups(rng.randint(0, 3))
+            for g in queue:
+                g.group_id = f"g{next_group}"
+                next_group += 1
+            want = []
+            while queue and (pick := scan_choice(role)) is not None:
+                # What the scan would do, one group at a time, on a copy of the state.
+                want.append(pick)
+                registry.workers[pick].credits -= 1
+                registry.workers[pick].leased.add(queue.popleft().group_id)
+            # Undo the simulation, then let lease_out do it for real on the same groups.
+            ids = [f"g{i}" for i in range(next_group - len(want) - len(queue), next_group - len(queue))]
+            for pick, gid in zip(want, ids):
+                registry.workers[pick].credits += 1
+                registry.workers[pick].leased.discard(gid)
+            real = deque(Group(gid, 0, 0, np.arange(2, dtype=np.int32), "p", 2) for gid in ids)
+            batches = registry.lease_out(role, lambda: real.popleft() if real else None, leases)
+            got_order = [leases[gid][1] for gid in ids]
+            assert got_order == want
+            assert sum(len(v) for v in batches.values()) == len(ids)

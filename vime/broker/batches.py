@@ -11,7 +11,7 @@ Groups too stale to train leave through the `drop` callback (the admission ledge
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,9 +62,15 @@ class BatchPlanner:
         self.trained_steps = 0
         self.checkpoint_steps = 0
         self.pending: PendingBatch | None = None
+        # Each buffered group's oldest token version (its deadline is that + max_staleness), read once.
+        self._oldest: dict[str, int] = {}
         # The oldest token version in the buffer (None: recompute), so the gate scans the buffer only
         # when some group may have turned stale rather than on every event.
         self._oldest_buffered: int | None = None
+        # A request that had to wait is looked at again only once something it depends on changed (the
+        # buffer, the groups in flight, the request): the server asks after every burst of messages.
+        self._changes = 0
+        self._waited_at = -1
 
     @property
     def done(self) -> bool:
@@ -78,10 +84,26 @@ class BatchPlanner:
 
     def add(self, group: Group) -> None:
         """A scored, kept training group becomes trainable (journaled with its samples)."""
-        self.buffer[group.group_id] = group
-        if self._oldest_buffered is not None:
-            self._oldest_buffered = min(self._oldest_buffered, group.oldest_version)
+        self._buffer(group)
         self._record(JournalBuffered(group=group))
+
+    def _buffer(self, group: Group) -> None:
+        oldest = group.oldest_version
+        self.buffer[group.group_id] = group
+        self._oldest[group.group_id] = oldest
+        if self._oldest_buffered is not None:
+            self._oldest_buffered = min(self._oldest_buffered, oldest)
+        self._changes += 1
+
+    def _unbuffer(self, group_id: str) -> Group:
+        self._oldest.pop(group_id, None)
+        self._oldest_buffered = None
+        self._changes += 1
+        return self.buffer.pop(group_id)
+
+    def in_flight_changed(self) -> None:
+        """A training group started or stopped generating or scoring (a waiting batch may go now)."""
+        self._changes += 1
 
     def forget_trainer(self, identity: bytes) -> None:
         """The trainer left: its pending request goes with it."""
@@ -98,6 +120,7 @@ class BatchPlanner:
         checkpoint the trainer reported): the trainer resumed from the wrong place.
         """
         self.pending = None
+        self._changes += 1
         if step in self.step_batches:
             return self._resend(step, policy_version)
         if step < self.trained_steps:
@@ -116,24 +139,27 @@ class BatchPlanner:
         stats = {**staleness_stats(groups, policy_version), "batch_wait_s": 0.0}
         return TrainBatch(step=step, groups=groups, stats=stats, replayed=replayed)
 
-    def fill(self, now: float, unfinished: Callable[[], list[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
+    def fill(self, now: float, unfinished: Callable[[], Counter[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
         """The pending request's batch if enough trainable groups are buffered, with its recipient.
 
-        `unfinished`: the deadline-bearing versions of training groups still generating or scoring
-        (see `_would_strand`); `keep_rate`: the fraction of them the filter is expected to keep.
+        `unfinished`: how many training groups still generating or scoring count their deadline from
+        each version (see `_would_strand`); `keep_rate`: the fraction of them the filter is expected to
+        keep. Calls `unfinished` only when the buffered groups are enough for a batch.
         """
         pending = self.pending
-        if pending is None:
+        if pending is None or self._changes == self._waited_at:
             return None
         self._drop_stale(pending.policy_version)
         if len(self.buffer) < pending.n_groups:
+            self._waited_at = self._changes
             return None
-        by_deadline = sorted(self.buffer, key=lambda g: (self.buffer[g].oldest_version, self._order(g)))
+        oldest, order = self._oldest, self._order
+        by_deadline = sorted(self.buffer, key=lambda g: (oldest[g], order(g)))
         ordered = by_deadline[: pending.n_groups]
         if self._would_strand(pending, by_deadline[pending.n_groups :], unfinished, keep_rate):
+            self._waited_at = self._changes
             return None
-        groups = [self.buffer.pop(g) for g in ordered]
-        self._oldest_buffered = None
+        groups = [self._unbuffer(g) for g in ordered]
         for group in groups:
             self.training[group.group_id] = group
         self.step_batches[pending.step] = list(ordered)
@@ -146,17 +172,16 @@ class BatchPlanner:
         """The gate: buffered groups older than max_staleness versions at `policy_version` leave."""
         limit = self.settings.max_staleness
         if self._oldest_buffered is None:
-            self._oldest_buffered = min((g.oldest_version for g in self.buffer.values()), default=policy_version)
+            self._oldest_buffered = min(self._oldest.values(), default=policy_version)
         if policy_version - self._oldest_buffered <= limit:
             return
-        for group_id in [g for g, grp in self.buffer.items() if policy_version - grp.oldest_version > limit]:
-            del self.buffer[group_id]
+        for group_id in [g for g, oldest in self._oldest.items() if policy_version - oldest > limit]:
+            self._unbuffer(group_id)
             self.counters["groups_dropped_stale"] += 1
             self._drop(group_id, "stale")
-        self._oldest_buffered = None
 
     def _would_strand(
-        self, pending: PendingBatch, left_buffered: list[str], unfinished: Callable[[], list[int]], keep_rate: float,
+        self, pending: PendingBatch, left_buffered: list[str], unfinished: Callable[[], Counter[int]], keep_rate: float,
     ) -> bool:  # fmt: skip
         """True if sending this batch now would leave a group still generating or scoring with no step
         left to train it before it turns stale, where waiting for it would not (docs/broker.md).
@@ -170,7 +195,7 @@ class BatchPlanner:
         helped and the batch goes now.
         """
         limit = self.settings.max_staleness
-        left = [self.buffer[g].oldest_version + limit for g in left_buffered]
+        left = Counter(self._oldest[g] + limit for g in left_buffered)
         if not self._fits(left, pending):
             return False
         versions = unfinished()
@@ -178,28 +203,38 @@ class BatchPlanner:
             return False
         # With a dynamic sampling filter only a fraction of them will be kept: count that many of the most urgent.
         # Those already past their deadline are lost to the gate whatever happens: no reason to wait.
-        savable = sorted(d for d in (v + limit for v in versions) if d >= pending.policy_version)
-        expected = math.ceil(len(savable) * keep_rate - 1e-9)
-        return not self._fits(left + savable[:expected], pending)
+        savable = sorted((v + limit, n) for v, n in versions.items() if v + limit >= pending.policy_version)
+        expected = math.ceil(sum(n for _, n in savable) * keep_rate - 1e-9)
+        due = left.copy()
+        for deadline, n in savable:
+            if expected <= 0:
+                break
+            due[deadline] += min(n, expected)
+            expected -= n
+        return not self._fits(due, pending)
 
-    def _fits(self, deadlines: list[int], pending: PendingBatch) -> bool:
-        """Can groups with these deadlines all be trained by later steps (each `n_groups` slots)? Groups
-        beyond the job's last step count as fitting: they would be surplus anyway."""
-        if not deadlines:
+    def _fits(self, deadlines: Counter[int], pending: PendingBatch) -> bool:
+        """Can groups with these deadlines (deadline -> how many) all be trained by later steps, each
+        `n_groups` slots, earliest deadline first? Groups beyond the job's last step count as fitting:
+        they would be surplus anyway."""
+        total = sum(deadlines.values())
+        if not total:
             return True
         u = self.settings.update_weights_interval
-        due = sorted(deadlines)
+        due = sorted(deadlines.items())
+        placed = 0  # groups due before the current step's version
+        i = 0
         slots = 0
         step = pending.step + 1
-        i = 0
-        while i < len(due):
+        while placed < total:
             if step >= self.settings.num_rollout:
                 return True  # the rest would go unused even with more slots: surplus, not stranded
             version = pending.policy_version + (step // u - pending.step // u)
-            while i < len(due) and due[i] < version:
-                if i >= slots:
-                    return False
+            while i < len(due) and due[i][0] < version:
+                placed += due[i][1]
                 i += 1
+            if placed > slots:
+                return False
             slots += pending.n_groups
             step += 1
         return True
@@ -262,21 +297,21 @@ class BatchPlanner:
             group_id = record.group.group_id
             if group_id in self.buffer or group_id in self.training or group_id in self.trained_in_step:
                 raise JournalError(f"journal: group {group_id} buffered twice")
-            self.buffer[group_id] = record.group
+            self._buffer(record.group)
         elif isinstance(record, JournalDropped):
-            self.buffer.pop(record.group_id, None)
+            if record.group_id in self.buffer:
+                self._unbuffer(record.group_id)
         elif isinstance(record, JournalBatch):
             missing = [g for g in record.group_ids if g not in self.buffer]
             if missing:
                 raise JournalError(f"journal: step {record.step}'s batch names groups not in the buffer: {missing[:5]}")
             for group_id in record.group_ids:
-                self.training[group_id] = self.buffer.pop(group_id)
+                self.training[group_id] = self._unbuffer(group_id)
             self.step_batches[record.step] = list(record.group_ids)
         elif isinstance(record, JournalStepDone):
             self._apply_step_done(record.step)
         elif isinstance(record, JournalCheckpoint):
             self._release_before(record.steps_done)
-        self._oldest_buffered = None
 
     def restore_snapshot(self, snap: JournalSnapshot) -> None:
         """A compacted journal's snapshot: the steps done, the checkpoint, the trained groups."""

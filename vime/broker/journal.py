@@ -45,6 +45,7 @@ FsyncPolicy = Literal["always", "interval", "never"]
 JOURNAL_FORMAT = 1
 _U32 = struct.Struct("<I")
 _RECORD_HEAD = struct.Struct("<II")
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # A record longer than this is damage, not data (a group of R3 traces is megabytes, not gigabytes).
 MAX_RECORD_BYTES = 4 << 30
 
@@ -150,9 +151,37 @@ JOURNAL_TYPES: tuple[type[JournalRecord], ...] = (
 
 
 def encode_record(record: JournalRecord) -> bytes:
-    frames = [bytes(memoryview(f)) for f in encode(record)]
-    body = b"".join([_U32.pack(len(frames)), *(_U32.pack(len(f)) + f for f in frames)])
-    return _RECORD_HEAD.pack(len(body), zlib.crc32(body)) + body
+    return b"".join(record_pieces(record))
+
+
+def record_pieces(record: JournalRecord) -> list[bytes | memoryview]:
+    """A record's bytes as pieces to write in order (`os.writev`): the codec's frames are not copied
+    (a buffered group's token arrays and R3 traces are most of the journal's bytes)."""
+    frames = [memoryview(f).cast("B") for f in encode(record)]
+    pieces: list[bytes | memoryview] = [b"", _U32.pack(len(frames))]
+    for frame in frames:
+        pieces += [_U32.pack(len(frame)), frame]
+    crc = 0
+    for piece in pieces[1:]:
+        crc = zlib.crc32(piece, crc)
+    pieces[0] = _RECORD_HEAD.pack(sum(len(p) for p in pieces[1:]), crc)
+    return pieces
+
+
+def _write_all(fd: int, pieces: list[bytes | memoryview]) -> int:
+    """Write every piece in order with as few system calls as the kernel allows; returns the bytes written."""
+    total = 0
+    views = [memoryview(p) for p in pieces if len(p)]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.writev(fd, batch)
+        total += written
+        # Drop what was written, keeping the unwritten tail of a piece cut short.
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if written:
+            views[0] = views[0][written:]
+    return total
 
 
 def _decode_body(body: bytes, offset: int) -> JournalRecord:
@@ -219,27 +248,22 @@ class JournalWriter:
         if truncate_to is not None:
             os.ftruncate(self._fd, truncate_to)
         self.size = os.fstat(self._fd).st_size
-        self._pending: list[bytes] = []
+        self._pending: list[bytes | memoryview] = []
         self._last_fsync = time.monotonic()
         self._dirty = False
 
     def append(self, record: JournalRecord) -> None:
-        self._pending.append(encode_record(record))
+        self._pending += record_pieces(record)
 
     @property
     def has_pending(self) -> bool:
         return bool(self._pending)
 
     def flush(self) -> None:
-        """Write pending records (one write call), then fsync if the policy says so now."""
+        """Write pending records (few write calls), then fsync if the policy says so now."""
         if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-            self.size += len(data)
+            pieces, self._pending = self._pending, []
+            self.size += _write_all(self._fd, pieces)
             self._dirty = True
         if self._dirty and self._fsync_due():
             os.fsync(self._fd)
@@ -257,11 +281,13 @@ class JournalWriter:
         """Compaction: replace the whole journal by `records`, atomically (tmp file, fsync, rename)."""
         self.flush()
         tmp = self.path.with_suffix(".compacting")
-        with open(tmp, "wb") as handle:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
             for record in records:
-                handle.write(encode_record(record))
-            handle.flush()
-            os.fsync(handle.fileno())
+                _write_all(fd, record_pieces(record))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
         os.close(self._fd)

@@ -15,7 +15,7 @@ docs/broker.md.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -89,6 +89,10 @@ class BrokerState:
         self.generating: dict[str, tuple[Group, bytes]] = {}
         self.to_score: deque[Group] = deque()
         self.scoring: dict[str, tuple[Group, bytes]] = {}
+        # For each training group generating or scoring, the version its deadline counts from (see
+        # `_unfinished_training_versions`), kept as groups move rather than recomputed per batch check.
+        self._deadline_from: dict[str, int] = {}
+        self._unfinished: Counter[int] = Counter()
         self.published_version = 0
         self.weight_endpoint: str | None = None
         self.finished = False
@@ -151,6 +155,7 @@ class BrokerState:
                 if self.evals.is_eval(group_id):
                     self.evals.requeue(group)
                 else:
+                    self._untrack(group_id)
                     self.retry_queue.appendleft(group)
                 requeued += 1
             elif group_id in self.scoring:
@@ -212,6 +217,7 @@ class BrokerState:
         else:
             return None
         group.min_weight_version = self.published_version
+        self._track(group.group_id, group.min_weight_version)
         self.counters["groups_dispatched"] += 1
         return group
 
@@ -220,20 +226,19 @@ class BrokerState:
     def on_generated(self, identity: bytes, groups: list[Group]) -> list[str]:
         """Accept generated groups leased to this worker; others are late duplicates and dropped."""
         accepted = []
-        worker = self.registry.get(identity)
         for group in groups:
             lease = self.generating.get(group.group_id)
             if lease is None or lease[1] != identity:
                 self.counters["late_results_dropped"] += 1
                 continue
             del self.generating[group.group_id]
-            if worker is not None:
-                worker.leased.discard(group.group_id)
+            self.registry.end_lease(identity, group.group_id)
             # The broker's own record decides what the group is for, not the worker's copy of it.
             group.kind = "eval" if self.evals.is_eval(group.group_id) else "train"
             group.min_weight_version = lease[0].min_weight_version
             self.to_score.append(group)
             if group.kind == "train":
+                self._track(group.group_id, group.oldest_version if group.samples else group.min_weight_version)
                 self.counters["groups_generated"] += 1
             accepted.append(group.group_id)
         return accepted
@@ -245,7 +250,6 @@ class BrokerState:
 
     def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:
         accepted = []
-        worker = self.registry.get(identity)
         for score in scores:
             lease = self.scoring.get(score.group_id)
             if lease is None or lease[1] != identity:
@@ -257,8 +261,8 @@ class BrokerState:
                 self.counters["bad_messages"] += 1
                 continue
             del self.scoring[score.group_id]
-            if worker is not None:
-                worker.leased.discard(score.group_id)
+            self.registry.end_lease(identity, score.group_id)
+            self._untrack(score.group_id)
             self._attach_scores(group, score, now)
             accepted.append(score.group_id)
         return accepted
@@ -310,14 +314,25 @@ class BrokerState:
             batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
         return [(identity, batch)]
 
-    def _unfinished_training_versions(self) -> list[int]:
-        """For each training group generating or scoring, the version its deadline counts from: its
-        oldest token's once generated, else the version it was dispatched with (a lower bound)."""
-        is_eval = self.evals.is_eval
-        versions = [g.min_weight_version for g, _ in self.generating.values() if not is_eval(g.group_id)]
-        versions += [g.oldest_version if g.samples else g.min_weight_version for g in self.to_score if not is_eval(g.group_id)]
-        versions += [g.oldest_version for g, _ in self.scoring.values() if not is_eval(g.group_id)]
-        return versions
+    def _unfinished_training_versions(self) -> Counter[int]:
+        """For the training groups generating or scoring: how many count their deadline from each
+        version (their oldest token's once generated, else the version they were dispatched with, a
+        lower bound)."""
+        return self._unfinished
+
+    def _track(self, group_id: str, version: int) -> None:
+        self._untrack(group_id)
+        self._deadline_from[group_id] = version
+        self._unfinished[version] += 1
+        self.batches.in_flight_changed()
+
+    def _untrack(self, group_id: str) -> None:
+        version = self._deadline_from.pop(group_id, None)
+        if version is not None:
+            self._unfinished[version] -= 1
+            if not self._unfinished[version]:
+                del self._unfinished[version]
+            self.batches.in_flight_changed()
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
         """The trainer finished `step` (`BatchPlanner.step_done`: idempotent); finish if it was the last."""

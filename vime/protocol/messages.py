@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from vime.protocol.codec import Message, require
+from vime.protocol.codec import ERROR_INVALID, Message, ProtocolError, require
 from vime.r3.trace import validate_trace
 
 Role = Literal["rollout", "reward", "trainer", "status"]
@@ -114,11 +114,25 @@ class Group(Message, tag="group"):
 
 
 def _length_of(arr: np.ndarray, dtype: str, what: str, expected: int | None = None) -> int:
-    require(arr.ndim == 1, f"{what} must be 1-D, got shape {arr.shape}")
-    require(arr.dtype.name == dtype, f"{what} must be {dtype}, got {arr.dtype.name}")
-    if expected is not None:
-        require(len(arr) == expected, f"{what} has {len(arr)} entries, expected {expected}")
+    # Checked before any message text is built: this runs for every array of every sample the broker
+    # decodes, and formatting the details (or asking numpy for a dtype's name) costs more than the checks.
+    if arr.ndim != 1:
+        raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype != _dtype(dtype):
+        raise ProtocolError(ERROR_INVALID, f"{what} must be {dtype}, got {arr.dtype.name}")
+    if expected is not None and len(arr) != expected:
+        raise ProtocolError(ERROR_INVALID, f"{what} has {len(arr)} entries, expected {expected}")
     return len(arr)
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype(name: str) -> np.dtype:
+    found = _DTYPES.get(name)
+    if found is None:
+        found = _DTYPES[name] = np.dtype(name)
+    return found
 
 
 # --- session ---------------------------------------------------------------------------------------
