@@ -275,6 +275,21 @@ class VimeConfig(BaseModel):
         False, description="torch backend: a group's samples share one copy of their prompt in a micro-batch row, "
         "under a tree attention mask, so each prompt is computed once (pays off for short responses)",
     )  # fmt: skip
+    # LoRA (peft's and slime's LoRA branch's flag names; vime/trainer/lora.py)
+    lora_rank: int | None = Field(
+        None, ge=0, description="train a LoRA adapter of this rank on the policy instead of every weight (torch "
+        "backend, peft); 0 or unset: full fine-tuning",
+    )  # fmt: skip
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA: the adapter's update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="LoRA: dropout on the adapter's input in training forwards (never in "
+        "the no-grad logprob passes)",
+    )  # fmt: skip
+    target_modules: str = Field(
+        "all-linear", description="LoRA: the linear layers that get an adapter, as a comma list of module names "
+        "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or all-linear (every linear layer of the "
+        "decoder layers; never the LM head or the embeddings)",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -416,6 +431,22 @@ class VimeConfig(BaseModel):
 
             te = importlib.util.find_spec("transformer_engine") is not None
             self.megatron_parallel().validate(self.trainer_world_size, have_transformer_engine=te)
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> VimeConfig:
+        if not self.lora_rank:
+            return self
+        if self.train_backend == "megatron":
+            raise ValueError("lora_rank (LoRA) is the torch backend's for now: the Megatron backend trains full "
+                             "weights; use --train-backend torch with --lora-rank")  # fmt: skip
+        if self.advantage_estimator == "ppo":
+            raise ValueError("lora_rank with advantage_estimator 'ppo' is not supported: PPO's critic is a second "
+                             "full model trained with full AdamW state, which defeats LoRA's memory saving; use a "
+                             "critic-free estimator (grpo, gspo, reinforce_plus_plus) or full fine-tuning")  # fmt: skip
+        from vime.trainer.lora import parse_target_modules
+
+        parse_target_modules(self.target_modules)  # ValueError naming the module
         return self
 
     @model_validator(mode="after")

@@ -1,9 +1,13 @@
 """Resumable trainer checkpoints: `--save-interval N` writes them, `--load PATH|latest` resumes from one.
 
 A checkpoint is a directory `CHECKPOINT_DIR/step_N` (N = training steps done) holding
-- the Hugging Face weights (`model.safetensors`, config, tokenizer files), usable on their own;
-- `trainer/state.pt`: the fp32 policy weights, optimizer and LR-scheduler state, optimizer-step count,
-  and the critic's weights and optimizer under PPO (gathered to full tensors under FSDP2); or, for
+- the Hugging Face weights (`model.safetensors`, config, tokenizer files), usable on their own; or,
+  for a LoRA run (`--lora-rank`), the adapter as a peft adapter directory (`adapter_config.json`,
+  `adapter_model.safetensors`: `PeftModel.from_pretrained(base, step_N)` and vLLM's `LoRARequest` load
+  it), the base weights being the `--hf-checkpoint` the run started from;
+- `trainer/state.pt`: the fp32 policy weights (LoRA: the adapter's only), optimizer and LR-scheduler
+  state, optimizer-step count, and the critic's weights and optimizer under PPO (gathered to full
+  tensors under FSDP2); or, for
   the Megatron backend, `trainer/state_rank{R}.pt` per rank: its model shards, Megatron's optimizer
   state of its shard (distributed optimizer: bucket-space, no gather) and its tensor-parallel RNG
   tracker, so `--load` there needs the same parallel layout;
@@ -73,7 +77,10 @@ def save_checkpoint(trainer: Any, root: Path, steps_done: int, weight_version: i
         shutil.rmtree(partial, ignore_errors=True)
         (partial / STATE_DIR).mkdir(parents=True)
     _barrier()
-    trainer.save_hf_checkpoint(partial)
+    if getattr(trainer, "lora", None) is not None:
+        trainer.save_adapter(partial)  # the base weights are the run's --hf-checkpoint, unchanged
+    else:
+        trainer.save_hf_checkpoint(partial)
     state = trainer.training_state()  # collective under FSDP; None on ranks that do not write
     rank = _rank()
     (partial / STATE_DIR).mkdir(parents=True, exist_ok=True)

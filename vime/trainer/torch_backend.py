@@ -36,6 +36,12 @@ every response token but the last); the fractions are over all ranks and optimiz
 
 Every rank runs the same number of forwards per phase (short ranks run a zero-weighted dummy forward),
 because DDP's gradient all-reduce and FSDP2's parameter all-gathers are collectives.
+
+LoRA (`lora_rank`, `vime.trainer.lora`): the policy gets a peft adapter in place and only the adapter
+trains (gradients, AdamW state, the resumable state); the KL reference is the same model with the
+adapter off (no second model). `export_weights` and `save_hf_checkpoint` give the merged weights under
+the base model's names, so everything downstream of them works unchanged; `export_adapter` gives the
+adapter alone, as a peft adapter directory holds it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import itertools
 import math
 import os
 import shutil
@@ -65,6 +72,7 @@ from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
 from vime.trainer.batch import MicroBatch, RolloutBatch, SampleRecord, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
+from vime.trainer.lora import AdapterExport, AdapterOffView, LoraAdapter, LoraSettings, apply_lora, merged_named_tensors
 from vime.trainer.objective import ObjectiveConfig, micro_batch_objective
 from vime.trainer.optim import OptimizerImplementation, adamw
 from vime.trainer.varlen_attention import attention_kwargs
@@ -137,6 +145,11 @@ class TorchTrainerConfig:
     chunked_head: bool = True
     # R3: run policy and reference forwards with the rollout's experts when the batch carries traces
     use_rollout_routing_replay: bool = False
+    # LoRA (peft's names, vime/trainer/lora.py): None or 0 trains every weight
+    lora_rank: int | None = None
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"  # comma list of module names, or all-linear
 
     @classmethod
     def from_vime_config(cls, cfg: Any, **extra: Any) -> TorchTrainerConfig:
@@ -169,6 +182,21 @@ class TorchTrainerConfig:
         if self.rollout_temperature <= 0:
             raise ValueError("rollout_temperature must be positive")
         check_shared_prompt_settings(self.share_prompts, self.pack_sequences, self.use_rollout_routing_replay)
+        if self.lora_settings() is not None and self.advantage_estimator == "ppo":
+            raise ValueError(LORA_PPO_ERROR)
+
+    def lora_settings(self) -> LoraSettings | None:
+        """The LoRA adapter these settings ask for, or None (full fine-tuning). Raises ValueError for
+        bad LoRA values."""
+        if not self.lora_rank:
+            return None
+        return LoraSettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                            target_modules=self.target_modules)  # fmt: skip
+
+
+LORA_PPO_ERROR = ("lora_rank with advantage_estimator 'ppo' is not supported: PPO's critic is a second full "
+                  "model trained with full AdamW state, which defeats LoRA's memory saving; use a critic-free "
+                  "estimator (grpo, gspo, reinforce_plus_plus[_baseline]) or full fine-tuning")  # fmt: skip
 
 
 class _ResponseLogprobs(nn.Module):
@@ -238,19 +266,29 @@ class TorchTrainer(PolicyTrainer):
         if cfg.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hf_model.to(self.device).train()
+        # LoRA layers go in before compiling, so the compiled decoder layers include them
+        lora = cfg.lora_settings()
+        self.lora: LoraAdapter | None = None
+        if lora is not None:
+            self.lora = apply_lora(self.hf_model, lora, _decoder_layers(self.hf_model))
         if cfg.torch_compile:
             _compile_layers(self.hf_model)
         self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head, entropy_grad=cfg.entropy_coef != 0.0)
 
-        self.ref_module: nn.Module | None = None
-        if cfg.use_kl_loss:
+        self.ref_module: nn.Module | AdapterOffView | None = None
+        if cfg.use_kl_loss and self.lora is not None:
+            # the frozen base is the policy with its adapter off: no second model in memory
+            self.ref_module = AdapterOffView(self.module, self.lora)
+        elif cfg.use_kl_loss:
             ref = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=self.compute_dtype, **load)
             ref.config.use_cache = False
             ref.to(self.device).eval().requires_grad_(False)
             self.ref_module = _ResponseLogprobs(ref, cfg.chunked_head, entropy_grad=False)
         # MoE routers (empty for dense models), found before FSDP wraps anything; used by R3
         self._routers = {id(self.module): find_routers(self.hf_model)}
-        if self.ref_module is not None:
+        if isinstance(self.ref_module, AdapterOffView):
+            self._routers[id(self.ref_module)] = self._routers[id(self.module)]
+        elif self.ref_module is not None:
             self._routers[id(self.ref_module)] = find_routers(self.ref_module.hf)
 
         self.policy: nn.Module = self.module
@@ -288,6 +326,7 @@ class TorchTrainer(PolicyTrainer):
             "trainer_ready", checkpoint=cfg.hf_checkpoint, rank=self.rank, world_size=self.world_size,
             device=str(self.device), compute_dtype=str(self.compute_dtype), fsdp=self.use_fsdp,
             params=sum(p.numel() for p in self.module.parameters()),
+            trainable_params=sum(p.numel() for p in self.module.parameters() if p.requires_grad),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------ setup
@@ -302,7 +341,7 @@ class TorchTrainer(PolicyTrainer):
         if self.compute_dtype != torch.float32:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         for wrapper, extra in ((self.module, kwargs), (self.ref_module, {"mesh": mesh})):
-            if wrapper is None:
+            if wrapper is None or isinstance(wrapper, AdapterOffView):  # the view shares the policy's shards
                 continue
             for layer in _decoder_layers(wrapper.hf):
                 fully_shard(layer, **extra)
@@ -469,13 +508,14 @@ class TorchTrainer(PolicyTrainer):
         """
         out = torch.zeros(shard.rollout_logprobs.numel(), dtype=torch.float32)
         counts = torch.zeros(2, dtype=torch.float64)
-        for mb in self._synced_micro_batches(shard):
-            if mb is None:
-                self._dummy_forward(module)
-                continue
-            mb = mb.to(self.device)
-            lp, _ = self._logprobs(module, mb, replay=replay, counts=counts if record else None, with_entropy=False)
-            out[mb.token_index.cpu()] = lp.cpu()
+        with self.lora.dropout_off() if self.lora is not None else contextlib.nullcontext():
+            for mb in self._synced_micro_batches(shard):
+                if mb is None:
+                    self._dummy_forward(module)
+                    continue
+                mb = mb.to(self.device)
+                lp, _ = self._logprobs(module, mb, replay=replay, counts=counts if record else None, with_entropy=False)
+                out[mb.token_index.cpu()] = lp.cpu()
         return out, counts
 
     def _optimizer_step(
@@ -559,16 +599,20 @@ class TorchTrainer(PolicyTrainer):
 
         Tied parameters appear once (named_parameters de-duplicates), under the name registered first
         (`model.embed_tokens.weight`), which is how HF checkpoints store them.
+        With LoRA the adapted weights come merged (W + B @ A * scale) under the base model's names.
         """
-        named = list(self.hf_model.named_parameters())
-        for module_name, module in self.hf_model.named_modules():
-            for buffer_name, buffer in module.named_buffers(recurse=False):
-                if buffer_name not in module._non_persistent_buffers_set:  # e.g. rotary tables are not saved
-                    named.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
-        for name, tensor in named:
-            tensor = tensor.detach()
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()  # collective
+        named: Iterator[tuple[str, Tensor]]
+        if self.lora is not None:
+            named = merged_named_tensors(self.lora, _full)
+        else:
+            named = ((name, _full(p)) for name, p in self.hf_model.named_parameters())
+        buffers = (
+            (f"{module_name}.{buffer_name}" if module_name else buffer_name, _full(buffer))
+            for module_name, module in self.hf_model.named_modules()
+            for buffer_name, buffer in module.named_buffers(recurse=False)
+            if buffer_name not in module._non_persistent_buffers_set  # e.g. rotary tables are not saved
+        )
+        for name, tensor in itertools.chain(named, buffers):
             if self.rank != 0:
                 continue
             if dtype is not None and tensor.is_floating_point():
@@ -583,7 +627,7 @@ class TorchTrainer(PolicyTrainer):
         `model.layers.0.mlp.experts.3.gate_proj.weight`, undoing transformers' in-memory fusing), which
         is what vLLM's `load_weights` expects. With tied embeddings `lm_head.weight` is not yielded;
         vLLM skips it for tied models anyway. Other ranks must iterate too (FSDP2 gathers are collective)
-        and get nothing.
+        and get nothing. With LoRA: the merged weights (`export_adapter` gives the adapter alone).
         """
         from transformers.core_model_loading import revert_weight_conversion
 
@@ -593,8 +637,35 @@ class TorchTrainer(PolicyTrainer):
             for ckpt_name, ckpt_tensor in revert_weight_conversion(self.hf_model, {name: tensor}).items():
                 yield ckpt_name, ckpt_tensor.contiguous()
 
+    def export_adapter(self, dtype: torch.dtype | None = None) -> AdapterExport | None:
+        """The LoRA adapter alone, on rank 0 (None on other ranks, which must call it too: FSDP2 gathers
+        are collective): tensors named and shaped as peft's `adapter_model.safetensors` holds them, and
+        the `adapter_config.json` dict; `.write(dir)` makes a directory peft and vLLM load. `dtype=None`
+        keeps the float32 master weights (what peft's `save_pretrained` of this model writes). Raises
+        ValueError when the trainer has no adapter (no `lora_rank`)."""
+        if self.lora is None:
+            raise ValueError("export_adapter needs a LoRA adapter: this trainer trains full weights (no lora_rank)")
+        tensors = self.lora.adapter_state_dict(_full, dtype)
+        if self.rank != 0:
+            return None
+        return AdapterExport(tensors, self.lora.config_dict())
+
+    def save_adapter(self, path: str | os.PathLike) -> None:
+        """Write the adapter (float32) as a peft adapter directory on rank 0; collective under FSDP2,
+        ends with a barrier when distributed. Raises ValueError without a LoRA adapter."""
+        export = self.export_adapter()
+        if export is not None:
+            export.write(path)
+            log.info("saved_lora_adapter", path=os.fspath(path), tensors=len(export.tensors), bytes=export.nbytes)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(device_ids=[self.device.index] if dist.get_backend() == "nccl" else None)
+
     def save_hf_checkpoint(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Write a transformers-loadable checkpoint (safetensors + config + tokenizer files) on rank 0.
+        """Write a transformers-loadable checkpoint (safetensors + config + tokenizer files) on rank 0;
+        with LoRA, the adapter merged into the base weights (a plain model, no peft needed to load it).
 
         `dtype=None` keeps the dtype of the checkpoint the trainer started from. Collective under FSDP2;
         ends with a barrier when distributed so no rank reads a half-written directory.
@@ -607,33 +678,45 @@ class TorchTrainer(PolicyTrainer):
             self.hf_model.save_pretrained(path, state_dict=state, safe_serialization=True)
             _set_config_dtype(path, dtype)
             _copy_side_files(self.cfg.hf_checkpoint, path)
-            log.info("saved_hf_checkpoint", path=path, dtype=str(dtype), tensors=len(state))
-        if self.distributed:
-            dist.barrier(device_ids=[self.device.index] if dist.get_backend() == "nccl" else None)
+            log.info("saved_hf_checkpoint", path=path, dtype=str(dtype), tensors=len(state), lora_merged=self.lora is not None)
+        self._barrier()
 
     def training_state(self) -> dict[str, Any] | None:
         """Everything `--load` needs besides the RNG (vime.trainer.checkpoint): full fp32 weights and
-        optimizer state (gathered under FSDP2: collective), scheduler, step counts; None on ranks > 0."""
+        optimizer state (gathered under FSDP2: collective), scheduler, step counts; None on ranks > 0.
+        With LoRA the weights are the adapter's alone (the base comes from `hf_checkpoint` again) and
+        `lora` holds its adapter config, checked on load."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # frozen parameters are the base model: not state to resume, and never gathered
+        model_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None)
         state: dict[str, Any] = {
-            "model": get_model_state_dict(self.module, options=options),
+            "model": get_model_state_dict(self.module, options=model_options),
             "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=options),
             "scheduler": self.scheduler.state_dict(),
             "optimizer_steps": self.optimizer_steps,
         }
+        if self.lora is not None:
+            # ignore_frozen_params still lets a tied frozen weight through under its second name (lm_head)
+            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            state["model"] = {k: v for k, v in state["model"].items() if k in trainable}
+            state["lora"] = self.lora.config_dict()
         if self.critic is not None:
             state["critic_model"] = get_model_state_dict(self.critic.module, options=options)
             state["critic_optimizer"] = get_optimizer_state_dict(self.critic.module, self.critic.optimizer, options=options)
         return state if self.rank == 0 else None
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        """Every rank: restore what `training_state` saved (each rank reads the full file)."""
+        """Every rank: restore what `training_state` saved (each rank reads the full file). Raises
+        ValueError for a checkpoint of the other kind (LoRA vs full weights) or of another adapter shape."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.module, state["model"], options=options)
+        self._check_lora_state(state)
+        # LoRA: the state holds the adapter only; the base weights stay as loaded from hf_checkpoint
+        model_options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
+        set_model_state_dict(self.module, state["model"], options=model_options)
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
@@ -644,7 +727,34 @@ class TorchTrainer(PolicyTrainer):
             set_optimizer_state_dict(self.critic.module, self.critic.optimizer, state["critic_optimizer"], options=options)
 
 
+    def _check_lora_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("lora")
+        if self.lora is None:
+            if saved is not None:
+                raise ValueError("the checkpoint holds a LoRA adapter (saved with --lora-rank "
+                                 f"{saved.get('r')}); resume it with the same --lora-rank")  # fmt: skip
+            return
+        if saved is None:
+            raise ValueError("the checkpoint holds full weights (saved without --lora-rank); it cannot resume a "
+                             "LoRA run (start one from its HF weights with --hf-checkpoint instead)")  # fmt: skip
+        mine = self.lora.config_dict()
+        differ = [k for k in ("r", "lora_alpha", "target_modules") if saved.get(k) != mine.get(k)]
+        if differ:
+            raise ValueError("the checkpoint's LoRA adapter differs from this run's in "
+                             + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differ))
+        wanted = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        if set(state["model"]) != wanted:
+            missing, extra = sorted(wanted - set(state["model"])), sorted(set(state["model"]) - wanted)
+            raise ValueError(f"the checkpoint's adapter tensors do not match: missing {missing[:3]}, unexpected {extra[:3]}")
+
+
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """A parameter's or buffer's whole tensor, detached: FSDP2 shards are gathered (a collective)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -667,8 +777,9 @@ def _compile_layers(hf_model: nn.Module) -> None:
 
 
 def _hf(module: nn.Module) -> nn.Module:
-    """The transformers model inside a `_ResponseLogprobs` (hooks attach to its routers)."""
-    return module.hf if isinstance(module, _ResponseLogprobs) else module
+    """The transformers model inside a `_ResponseLogprobs` or a LoRA reference view (hooks attach to its
+    routers)."""
+    return module.hf if isinstance(module, (_ResponseLogprobs, AdapterOffView)) else module
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
