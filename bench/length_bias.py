@@ -51,7 +51,7 @@ import math
 import os
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -177,7 +177,7 @@ class EagerFillPlanner(BatchPlanner):
     def _would_strand(self, *args: object, **kwargs: object) -> bool:
         return False  # never wait for an unfinished group
 
-    def fill(self, now: float, unfinished: Callable[[], Counter[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
+    def fill(self, now: float, keep_rate: float) -> tuple[bytes, TrainBatch] | None:
         pending = self.pending
         if pending is None:
             return None
@@ -187,7 +187,7 @@ class EagerFillPlanner(BatchPlanner):
         others = OrderedDict((g, self.buffer[g]) for g in rest)
         self.buffer = OrderedDict((g, self.buffer[g]) for g in chosen)
         try:
-            return super().fill(now, unfinished, keep_rate)  # the planner's own batch, journal and stats
+            return super().fill(now, keep_rate)  # the planner's own batch, journal and stats
         finally:
             self.buffer.update(others)
 

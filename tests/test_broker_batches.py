@@ -3,8 +3,6 @@ batches kept until a checkpoint, and its journal replay."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 
@@ -52,19 +50,15 @@ def batch_of(filled: tuple[bytes, TrainBatch] | None) -> list[str]:
     return [g.group_id for g in batch.groups]
 
 
-def no_unfinished() -> Counter[int]:
-    return Counter()
-
-
 def test_a_request_waits_for_enough_groups_then_takes_the_earliest_deadlines() -> None:
     h = Harness(staleness=2, batch=2)
     p = h.planner
     assert p.request(TRAINER, step=0, n_groups=2, policy_version=2, now=1.0) is None
     p.add(group(0, version=2))
-    assert p.fill(1.5, no_unfinished, 1.0) is None, "one group is not a batch of two"
+    assert p.fill(1.5, 1.0) is None, "one group is not a batch of two"
     p.add(group(1, version=1))
     p.add(group(2, version=1))
-    filled = p.fill(4.0, no_unfinished, 1.0)
+    filled = p.fill(4.0, 1.0)
     assert batch_of(filled) == ["g1", "g2"], "version 1 is due before version 2; ties go by dispatch order"
     assert filled[1].stats["batch_wait_s"] == 3.0 and filled[1].stats["staleness_max"] == 1.0
     assert list(p.buffer) == ["g0"] and set(p.training) == {"g1", "g2"} and p.pending is None
@@ -78,7 +72,7 @@ def test_the_gate_drops_groups_older_than_max_staleness() -> None:
     p.add(group(0, version=0))
     p.add(group(1, version=2))
     p.request(TRAINER, step=0, n_groups=1, policy_version=2, now=0.0)
-    assert batch_of(p.fill(0.0, no_unfinished, 1.0)) == ["g1"]
+    assert batch_of(p.fill(0.0, 1.0)) == ["g1"]
     assert h.dropped == {"g0": "stale"} and p.counters["groups_dropped_stale"] == 1
 
 
@@ -90,10 +84,23 @@ def test_a_batch_waits_rather_than_strand_a_group_still_generating() -> None:
     p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
     # One step at version 1 (this one) and one at version 2 are left for deadline-2 groups: both buffered
     # ones fit, but a third group dispatched at version 1 and still generating would not.
-    assert p.fill(0.0, lambda: Counter([1]), 1.0) is None, "waits for the unfinished group"
-    assert p.fill(0.0, lambda: Counter([1]), 0.0) is None, "nothing changed since: not looked at again"
-    p.in_flight_changed()  # in the broker, a scored group (which updates the keep rate) leaves the flight
-    assert p.fill(0.0, lambda: Counter([1]), 0.0) is not None, "a filter expected to drop it: nothing to wait for"
+    p.track_in_flight("g3", version=1)
+    assert p.fill(0.0, 1.0) is None, "waits for the unfinished group"
+    assert p.fill(0.0, 0.0) is None, "nothing changed since: not looked at again"
+    p.track_in_flight("g4", version=5)  # in the broker, the keep rate changes only as groups move
+    assert p.fill(0.0, 0.0) is not None, "a filter expected to drop them: nothing to wait for"
+
+
+def test_a_batch_goes_once_the_group_it_waited_for_is_no_longer_in_flight() -> None:
+    h = Harness(staleness=1, batch=1, num_rollout=10)
+    p = h.planner
+    p.add(group(1, version=1))
+    p.add(group(2, version=1))
+    p.track_in_flight("g3", version=1)
+    p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
+    assert p.fill(0.0, 1.0) is None
+    p.untrack_in_flight("g3")  # scored and dropped by the filter, say
+    assert batch_of(p.fill(0.0, 1.0)) == ["g1"]
 
 
 def test_step_done_is_idempotent_and_checks_the_groups() -> None:
@@ -101,7 +108,7 @@ def test_step_done_is_idempotent_and_checks_the_groups() -> None:
     p = h.planner
     p.add(group(0, version=0))
     p.request(TRAINER, step=0, n_groups=1, policy_version=0, now=0.0)
-    p.fill(0.0, no_unfinished, 1.0)
+    p.fill(0.0, 1.0)
     assert p.step_done(0, ["g0"]) is True
     assert p.step_done(0, ["g0"]) is False, "a repeated report changes nothing"
     assert p.trained_in_step == {"g0": 0} and p.counters["groups_trained"] == 1 and p.trained_steps == 1
@@ -115,7 +122,7 @@ def test_batches_stay_replayable_until_a_checkpoint_covers_them() -> None:
     for step in range(3):
         p.add(group(step, version=step))
         p.request(TRAINER, step=step, n_groups=1, policy_version=step, now=0.0)
-        p.fill(0.0, no_unfinished, 1.0)
+        p.fill(0.0, 1.0)
         p.step_done(step, [f"g{step}"])
     replay = p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
     assert replay is not None and replay.replayed and [g.group_id for g in replay.groups] == ["g1"]
@@ -134,7 +141,7 @@ def test_replaying_the_journal_rebuilds_the_planner() -> None:
         for k in range(3):  # one more group than a batch: the buffer carries groups across steps
             p.add(group(3 * step + k, version=version))
         p.request(TRAINER, step=step, n_groups=2, policy_version=version, now=0.0)
-        sent = batch_of(p.fill(0.0, no_unfinished, 1.0))
+        sent = batch_of(p.fill(0.0, 1.0))
         if step < 3:
             p.step_done(step, sent)  # the last step's batch stays out for training
         if step == 1:

@@ -62,8 +62,12 @@ class BatchPlanner:
         self.trained_steps = 0
         self.checkpoint_steps = 0
         self.pending: PendingBatch | None = None
-        # Each buffered group's oldest token version (its deadline is that + max_staleness), read once.
+        # Each buffered group's oldest token version (its deadline is that + max_staleness), read once;
+        # and for training groups still generating or scoring, the version their deadline counts from,
+        # with how many count from each (what `_would_strand` weighs).
         self._oldest: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
+        self._in_flight_versions: Counter[int] = Counter()
         # The oldest token version in the buffer (None: recompute), so the gate scans the buffer only
         # when some group may have turned stale rather than on every event.
         self._oldest_buffered: int | None = None
@@ -101,9 +105,22 @@ class BatchPlanner:
         self._changes += 1
         return self.buffer.pop(group_id)
 
-    def in_flight_changed(self) -> None:
-        """A training group started or stopped generating or scoring (a waiting batch may go now)."""
+    def track_in_flight(self, group_id: str, version: int) -> None:
+        """A training group is generating or scoring; its deadline counts from `version` (its oldest
+        token's once generated, else the version it was dispatched with: a lower bound)."""
+        self.untrack_in_flight(group_id)
+        self._in_flight[group_id] = version
+        self._in_flight_versions[version] += 1
         self._changes += 1
+
+    def untrack_in_flight(self, group_id: str) -> None:
+        """A training group stopped generating or scoring (scored, or back in the retry queue)."""
+        version = self._in_flight.pop(group_id, None)
+        if version is not None:
+            self._in_flight_versions[version] -= 1
+            if not self._in_flight_versions[version]:
+                del self._in_flight_versions[version]
+            self._changes += 1
 
     def forget_trainer(self, identity: bytes) -> None:
         """The trainer left: its pending request goes with it."""
@@ -139,12 +156,12 @@ class BatchPlanner:
         stats = {**staleness_stats(groups, policy_version), "batch_wait_s": 0.0}
         return TrainBatch(step=step, groups=groups, stats=stats, replayed=replayed)
 
-    def fill(self, now: float, unfinished: Callable[[], Counter[int]], keep_rate: float) -> tuple[bytes, TrainBatch] | None:
+    def fill(self, now: float, keep_rate: float) -> tuple[bytes, TrainBatch] | None:
         """The pending request's batch if enough trainable groups are buffered, with its recipient.
 
-        `unfinished`: how many training groups still generating or scoring count their deadline from
-        each version (see `_would_strand`); `keep_rate`: the fraction of them the filter is expected to
-        keep. Calls `unfinished` only when the buffered groups are enough for a batch.
+        `keep_rate`: the fraction of the groups still in flight the filter is expected to keep (see
+        `_would_strand`). A request that waits may go after any change to the buffer or the groups in
+        flight (a group generated, not only one scored).
         """
         pending = self.pending
         if pending is None or self._changes == self._waited_at:
@@ -156,7 +173,7 @@ class BatchPlanner:
         oldest, order = self._oldest, self._order
         by_deadline = sorted(self.buffer, key=lambda g: (oldest[g], order(g)))
         ordered = by_deadline[: pending.n_groups]
-        if self._would_strand(pending, by_deadline[pending.n_groups :], unfinished, keep_rate):
+        if self._would_strand(pending, by_deadline[pending.n_groups :], keep_rate):
             self._waited_at = self._changes
             return None
         groups = [self._unbuffer(g) for g in ordered]
@@ -180,9 +197,7 @@ class BatchPlanner:
             self.counters["groups_dropped_stale"] += 1
             self._drop(group_id, "stale")
 
-    def _would_strand(
-        self, pending: PendingBatch, left_buffered: list[str], unfinished: Callable[[], Counter[int]], keep_rate: float,
-    ) -> bool:  # fmt: skip
+    def _would_strand(self, pending: PendingBatch, left_buffered: list[str], keep_rate: float) -> bool:
         """True if sending this batch now would leave a group still generating or scoring with no step
         left to train it before it turns stale, where waiting for it would not (docs/broker.md).
 
@@ -198,7 +213,7 @@ class BatchPlanner:
         left = Counter(self._oldest[g] + limit for g in left_buffered)
         if not self._fits(left, pending):
             return False
-        versions = unfinished()
+        versions = self._in_flight_versions
         if not versions:
             return False
         # With a dynamic sampling filter only a fraction of them will be kept: count that many of the most urgent.

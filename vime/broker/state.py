@@ -15,7 +15,7 @@ docs/broker.md.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -89,10 +89,6 @@ class BrokerState:
         self.generating: dict[str, tuple[Group, bytes]] = {}
         self.to_score: deque[Group] = deque()
         self.scoring: dict[str, tuple[Group, bytes]] = {}
-        # For each training group generating or scoring, the version its deadline counts from (see
-        # `_unfinished_training_versions`), kept as groups move rather than recomputed per batch check.
-        self._deadline_from: dict[str, int] = {}
-        self._unfinished: Counter[int] = Counter()
         self.published_version = 0
         self.weight_endpoint: str | None = None
         self.finished = False
@@ -155,7 +151,7 @@ class BrokerState:
                 if self.evals.is_eval(group_id):
                     self.evals.requeue(group)
                 else:
-                    self._untrack(group_id)
+                    self.batches.untrack_in_flight(group_id)
                     self.retry_queue.appendleft(group)
                 requeued += 1
             elif group_id in self.scoring:
@@ -217,7 +213,7 @@ class BrokerState:
         else:
             return None
         group.min_weight_version = self.published_version
-        self._track(group.group_id, group.min_weight_version)
+        self.batches.track_in_flight(group.group_id, group.min_weight_version)
         self.counters["groups_dispatched"] += 1
         return group
 
@@ -238,7 +234,7 @@ class BrokerState:
             group.min_weight_version = lease[0].min_weight_version
             self.to_score.append(group)
             if group.kind == "train":
-                self._track(group.group_id, group.oldest_version if group.samples else group.min_weight_version)
+                self.batches.track_in_flight(group.group_id, group.oldest_version if group.samples else group.min_weight_version)
                 self.counters["groups_generated"] += 1
             accepted.append(group.group_id)
         return accepted
@@ -262,7 +258,7 @@ class BrokerState:
                 continue
             del self.scoring[score.group_id]
             self.registry.end_lease(identity, score.group_id)
-            self._untrack(score.group_id)
+            self.batches.untrack_in_flight(score.group_id)
             self._attach_scores(group, score, now)
             accepted.append(score.group_id)
         return accepted
@@ -305,7 +301,7 @@ class BrokerState:
 
     def try_fill_batch(self, now: float) -> Outgoing:
         """Answer the trainer's pending request if enough trainable groups are buffered."""
-        filled = self.batches.fill(now, self._unfinished_training_versions, self.dynamic.expected_keep_rate)
+        filled = self.batches.fill(now, self.dynamic.expected_keep_rate)
         if filled is None:
             return []
         identity, batch = filled
@@ -313,26 +309,6 @@ class BrokerState:
         if self.dynamic.active:
             batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
         return [(identity, batch)]
-
-    def _unfinished_training_versions(self) -> Counter[int]:
-        """For the training groups generating or scoring: how many count their deadline from each
-        version (their oldest token's once generated, else the version they were dispatched with, a
-        lower bound)."""
-        return self._unfinished
-
-    def _track(self, group_id: str, version: int) -> None:
-        self._untrack(group_id)
-        self._deadline_from[group_id] = version
-        self._unfinished[version] += 1
-        self.batches.in_flight_changed()
-
-    def _untrack(self, group_id: str) -> None:
-        version = self._deadline_from.pop(group_id, None)
-        if version is not None:
-            self._unfinished[version] -= 1
-            if not self._unfinished[version]:
-                del self._unfinished[version]
-            self.batches.in_flight_changed()
 
     def on_step_done(self, step: int, group_ids: list[str]) -> Outgoing:
         """The trainer finished `step` (`BatchPlanner.step_done`: idempotent); finish if it was the last."""
