@@ -10,6 +10,7 @@ often it was asked for.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -362,3 +363,16 @@ def test_a_broker_killed_after_the_last_step_finishes_the_job_and_a_finished_job
     open_journal(cfg, fresh).close()  # type: ignore[arg-type]
     assert fresh.trained_steps == 0 and not fresh.training_done
     assert len(list(tmp_path.glob("broker.journal.done-*"))) == 1
+
+
+def test_pieces_are_written_in_order_past_the_kernels_iovec_limit(tmp_path: Path) -> None:
+    from vime.broker.journal import _IOV_MAX, _write_all
+
+    pieces = [bytes([i % 251]) * (i % 7) for i in range(3 * _IOV_MAX + 5)]  # empty pieces among them
+    path = tmp_path / "pieces"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        written = _write_all(fd, [memoryview(p) if i % 2 else p for i, p in enumerate(pieces)])
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(pieces) and written == sum(map(len, pieces))

@@ -172,15 +172,16 @@ def _write_all(fd: int, pieces: list[bytes | memoryview]) -> int:
     """Write every piece in order with as few system calls as the kernel allows; returns the bytes written."""
     total = 0
     views = [memoryview(p) for p in pieces if len(p)]
-    while views:
-        batch = views[:_IOV_MAX]
-        written = os.writev(fd, batch)
+    first = 0  # views before it are written
+    while first < len(views):
+        written = os.writev(fd, views[first : first + _IOV_MAX])
         total += written
-        # Drop what was written, keeping the unwritten tail of a piece cut short.
-        while views and written >= len(views[0]):
-            written -= len(views.pop(0))
+        # Step past what was written, keeping the unwritten tail of a piece cut short.
+        while first < len(views) and written >= len(views[first]):
+            written -= len(views[first])
+            first += 1
         if written:
-            views[0] = views[0][written:]
+            views[first] = views[first][written:]
     return total
 
 

@@ -134,17 +134,15 @@ class WorkerRegistry:
             heap = self._heaps.setdefault(worker.role, [])
             if len(heap) > 4 * len(self._by_role.get(worker.role, ())) + 64:
                 self._rebuild(worker.role)  # stale entries that never surfaced
-            entry = (len(worker.leased), -worker.credits, self._order[worker.identity], worker.ticket, worker.identity)
-            heapq.heappush(heap, entry)
+            heapq.heappush(heap, self._entry(worker))
 
     def _rebuild(self, role: str) -> None:
-        heap = [
-            (len(w.leased), -w.credits, self._order[w.identity], w.ticket, w.identity)
-            for w in self._by_role.get(role, {}).values()
-            if w.credits > 0
-        ]
+        heap = [self._entry(w) for w in self._by_role.get(role, {}).values() if w.credits > 0]
         heapq.heapify(heap)
         self._heaps[role] = heap
+
+    def _entry(self, worker: WorkerInfo) -> _Entry:
+        return (len(worker.leased), -worker.credits, self._order[worker.identity], worker.ticket, worker.identity)
 
     def with_credit(self, role: str) -> WorkerInfo | None:
         """The `role` worker with credit and the fewest leases (spreads work evenly), or None."""

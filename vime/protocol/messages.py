@@ -28,6 +28,9 @@ import numpy as np
 from vime.protocol.codec import ERROR_INVALID, Message, ProtocolError, require
 from vime.r3.trace import validate_trace
 
+# The dtypes sample arrays must have, built once: comparing dtype objects is cheap, naming them is not.
+_INT32, _FLOAT32, _UINT8 = np.dtype("int32"), np.dtype("float32"), np.dtype("uint8")
+
 Role = Literal["rollout", "reward", "trainer", "status"]
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
 
@@ -53,10 +56,10 @@ class Sample(Message, tag="sample"):
     rollout_stats: dict[str, float] = {}
 
     def validate(self) -> None:
-        n = _length_of(self.response_tokens, "int32", "response_tokens")
-        _length_of(self.rollout_logprobs, "float32", "rollout_logprobs", expected=n)
-        _length_of(self.loss_mask, "uint8", "loss_mask", expected=n)
-        _length_of(self.token_versions, "int32", "token_versions", expected=n)
+        n = _length_of(self.response_tokens, _INT32, "response_tokens")
+        _length_of(self.rollout_logprobs, _FLOAT32, "rollout_logprobs", expected=n)
+        _length_of(self.loss_mask, _UINT8, "loss_mask", expected=n)
+        _length_of(self.token_versions, _INT32, "token_versions", expected=n)
         if self.reward is not None:
             require(np.isfinite(self.reward), f"sample {self.index}: reward {self.reward} is not finite")
 
@@ -85,7 +88,7 @@ class Group(Message, tag="group"):
     kind: Literal["train", "eval"] = "train"
 
     def validate(self) -> None:
-        _length_of(self.prompt_tokens, "int32", f"group {self.group_id} prompt_tokens")
+        _length_of(self.prompt_tokens, _INT32, f"group {self.group_id} prompt_tokens")
         require(self.n_samples >= 1, f"group {self.group_id}: n_samples must be >= 1")
         require(len(self.samples) <= self.n_samples, f"group {self.group_id}: more samples than n_samples")
         for sample in self.samples:
@@ -113,26 +116,16 @@ class Group(Message, tag="group"):
         return min(versions) if versions else -1
 
 
-def _length_of(arr: np.ndarray, dtype: str, what: str, expected: int | None = None) -> int:
+def _length_of(arr: np.ndarray, dtype: np.dtype, what: str, expected: int | None = None) -> int:
     # Checked before any message text is built: this runs for every array of every sample the broker
     # decodes, and formatting the details (or asking numpy for a dtype's name) costs more than the checks.
     if arr.ndim != 1:
         raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.dtype != _dtype(dtype):
+    if arr.dtype != dtype:
         raise ProtocolError(ERROR_INVALID, f"{what} must be {dtype}, got {arr.dtype.name}")
     if expected is not None and len(arr) != expected:
         raise ProtocolError(ERROR_INVALID, f"{what} has {len(arr)} entries, expected {expected}")
     return len(arr)
-
-
-_DTYPES: dict[str, np.dtype] = {}
-
-
-def _dtype(name: str) -> np.dtype:
-    found = _DTYPES.get(name)
-    if found is None:
-        found = _DTYPES[name] = np.dtype(name)
-    return found
 
 
 # --- session ---------------------------------------------------------------------------------------
