@@ -81,6 +81,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vime.broker.latency import percentile_ms  # noqa: E402
 from vime.protocol.codec import INLINE_ARRAY_BYTES, PROTOCOL_VERSION, Message, decode, encode  # noqa: E402
 from vime.protocol.messages import (  # noqa: E402
     BatchRequest, Credit, DispatchGroups, Group, GroupScores, GroupsGenerated, GroupsScored, Heartbeat, Hello, Sample,
@@ -617,10 +618,15 @@ def run_point(args: argparse.Namespace, shape_name: str, load: str, gen_mean_s: 
         cpu0 = proc_cpu_s(broker.pid)
         ccpu0 = sum(proc_cpu_s(c.pid) for c in clients)
         busy0 = machine_busy()
+        latency0 = query_status(address, timeout_s=60.0)["dispatch_latency"]["counts"]
+        time.sleep(max(0.0, (window[0] + window[1]) / 2 - time.monotonic()))
+        mid_rss_kib = proc_status_kib(broker.pid, "VmRSS")
         time.sleep(max(0.0, window[1] - time.monotonic()))
         cpu1 = proc_cpu_s(broker.pid)
         ccpu1 = sum(proc_cpu_s(c.pid) for c in clients)
         busy1 = machine_busy()
+        latency1 = query_status(address, timeout_s=60.0)["dispatch_latency"]["counts"]
+        end_rss_kib = proc_status_kib(broker.pid, "VmRSS")
         for c in clients:
             _expect(c, "drained", timeout_s=120)
         status = settled_status(address)
@@ -646,7 +652,8 @@ def run_point(args: argparse.Namespace, shape_name: str, load: str, gen_mean_s: 
         "broker_cpu_pct": 100.0 * (cpu1 - cpu0) / args.duration_s,
         "clients_cpu_pct": 100.0 * (ccpu1 - ccpu0) / args.duration_s,
         "machine_busy_pct": 100.0 * (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1]),
-        "baseline_rss_kib": baseline_rss_kib, "peak_rss_kib": peak_rss_kib, "run_dir": str(run_dir),
+        "baseline_rss_kib": baseline_rss_kib, "peak_rss_kib": peak_rss_kib, "mid_rss_kib": mid_rss_kib,
+        "end_rss_kib": end_rss_kib, "latency_counts": (latency0, latency1), "run_dir": str(run_dir),
     })  # fmt: skip
 
 
@@ -691,13 +698,35 @@ def _expect(client: subprocess.Popen[str], event: str, timeout_s: float = 180.0)
     raise RuntimeError(f"client {client.pid} did not say {event} (exit code {client.poll()})")
 
 
-def group_bytes(shape_name: str) -> int:
-    """Bytes of one generated group as the broker receives it (GroupsGenerated)."""
+def _generated_frames(shape_name: str, group_id: str = "e0-p0") -> list[Any]:
     shape = SHAPES[shape_name]
     prompt = np.zeros(shape["prompt"], dtype=np.int32)
-    group = Group(group_id="e0-p0", prompt_index=0, epoch=0, prompt_tokens=prompt, prompt_text="0" * shape["prompt"],
+    group = Group(group_id=group_id, prompt_index=0, epoch=0, prompt_tokens=prompt, prompt_text="0" * shape["prompt"],
                   n_samples=SAMPLES, label="0", samples=make_samples(shape, 0))  # fmt: skip
-    return sum(memoryview(f).nbytes for f in encode(GroupsGenerated(groups=[group])))
+    return encode(GroupsGenerated(groups=[group]))
+
+
+def group_bytes(shape_name: str) -> int:
+    """Bytes of one generated group as the broker receives it (GroupsGenerated)."""
+    return sum(memoryview(f).nbytes for f in _generated_frames(shape_name))
+
+
+def group_decoded_bytes(shape_name: str, copies: int = 200) -> int:
+    """Bytes one generated group holds once the broker has decoded it (its Python objects and the
+    received frames its arrays view), measured with tracemalloc over `copies` groups."""
+    import tracemalloc
+
+    received = [[bytes(memoryview(f)) for f in _generated_frames(shape_name, f"e0-p{i}")] for i in range(copies)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        decoded = [decode(frames, (GroupsGenerated,)) for frames in received]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del decoded
+    wire = sum(len(f) for f in received[0])
+    return held // copies + wire  # the frames stay alive while the arrays view them
 
 
 def summarize(
@@ -718,7 +747,9 @@ def summarize(
     rbs = args.rollout_batch_size or shape["rollout_batch_size"]
     staleness = shape["max_staleness"] if args.max_staleness is None else args.max_staleness
     gbytes = group_bytes(shape_name)
-    rss_bound_kib = measured["baseline_rss_kib"] + (staleness + 1) * rbs * gbytes // 1024
+    decoded_bytes = group_decoded_bytes(shape_name)
+    rss_bound_kib = measured["baseline_rss_kib"] + (staleness + 1) * rbs * decoded_bytes // 1024
+    broker_latency = [b - a for a, b in zip(measured["latency_counts"][0], measured["latency_counts"][1])]
     checks = {
         "groups_lost_zero": status["groups_lost"] == 0,
         "trained_twice_zero": status["groups_trained_twice"] == 0,
@@ -741,6 +772,9 @@ def summarize(
         "dispatch_p50_ms": _ms(percentile(latencies, 50)),
         "dispatch_p99_ms": _ms(percentile(latencies, 99)),
         "dispatch_samples": len(latencies),
+        "broker_dispatch_p50_ms": percentile_ms(broker_latency, 0.50),
+        "broker_dispatch_p99_ms": percentile_ms(broker_latency, 0.99),
+        "broker_dispatch_samples": sum(broker_latency),
         "batch_wait_p50_ms": _ms(percentile(waits, 50)),
         "broker_cpu_pct": round(measured["broker_cpu_pct"], 1),
         "clients_cpu_pct": round(measured["clients_cpu_pct"], 1),
@@ -749,7 +783,9 @@ def summarize(
         "broker_baseline_rss_mib": round(measured["baseline_rss_kib"] / 1024, 1),
         "broker_rss_bound_mib": round(rss_bound_kib / 1024, 1),
         "rss_within_bound": measured["peak_rss_kib"] <= rss_bound_kib,
+        "broker_rss_growth_second_half_mib": round((measured["end_rss_kib"] - measured["mid_rss_kib"]) / 1024, 1),
         "group_bytes": gbytes,
+        "group_decoded_bytes": decoded_bytes,
         "admission_groups": (staleness + 1) * rbs,
         "rollout_batch_size": rbs,
         "groups_lost": status["groups_lost"],
@@ -778,15 +814,15 @@ def run_shape(args: argparse.Namespace, shape_name: str) -> list[dict[str, Any]]
 
 
 HEADER = (f"{'shape':8} {'load':5} {'msgs/s':>9} {'groups/s':>9} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'broker%':>8} {'clients%':>9} {'busy%':>6} {'RSS MiB':>8} {'bound':>8} ok")  # fmt: skip
+          f"{'client p99':>10} {'broker%':>8} {'clients%':>9} {'busy%':>6} {'RSS MiB':>8} {'bound':>8} {'+2nd half':>9} ok")  # fmt: skip
 
 
 def _print_row(r: dict[str, Any]) -> None:
     print(
         f"{r['shape']:8} {r['load']:5} {r['messages_per_s']:>9,.0f} {r['groups_per_s']:>9,.1f} {r['bytes_per_s'] / 1e6:>8,.1f} "
-        f"{r['dispatch_p50_ms'] or 0:>8.2f} {r['dispatch_p99_ms'] or 0:>8.2f} {r['broker_cpu_pct']:>8.1f} "
-        f"{r['clients_cpu_pct']:>9.1f} {r['machine_busy_pct']:>6.1f} {r['broker_peak_rss_mib']:>8.1f} "
-        f"{r['broker_rss_bound_mib']:>8.1f} {'yes' if r['ok'] else 'NO ' + str([k for k, v in r['checks'].items() if not v])}",
+        f"{r['broker_dispatch_p50_ms'] or 0:>8.2f} {r['broker_dispatch_p99_ms'] or 0:>8.2f} {r['dispatch_p99_ms'] or 0:>10.2f} "
+        f"{r['broker_cpu_pct']:>8.1f} {r['clients_cpu_pct']:>9.1f} {r['machine_busy_pct']:>6.1f} {r['broker_peak_rss_mib']:>8.1f} "
+        f"{r['broker_rss_bound_mib']:>8.1f} {r['broker_rss_growth_second_half_mib']:>9.1f} {'yes' if r['ok'] else 'NO ' + str([k for k, v in r['checks'].items() if not v])}",
         flush=True,
     )  # fmt: skip
 
@@ -842,13 +878,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "messages_per_s": by_load["full"]["messages_per_s"],
         "groups_per_s": by_load["full"]["groups_per_s"],
-        "p50_dispatch_ms_half_load": by_load["half"]["dispatch_p50_ms"],
-        "p99_dispatch_ms_half_load": by_load["half"]["dispatch_p99_ms"],
-        "p50_dispatch_ms_full_load": by_load["full"]["dispatch_p50_ms"],
-        "p99_dispatch_ms_full_load": by_load["full"]["dispatch_p99_ms"],
+        # The broker's own figure (credit received -> group sent, measured in the broker), and the
+        # simulated workers' (credit sent -> group received: adds the clients' queueing and loopback).
+        "p50_dispatch_ms_half_load": by_load["half"]["broker_dispatch_p50_ms"],
+        "p99_dispatch_ms_half_load": by_load["half"]["broker_dispatch_p99_ms"],
+        "p50_dispatch_ms_full_load": by_load["full"]["broker_dispatch_p50_ms"],
+        "p99_dispatch_ms_full_load": by_load["full"]["broker_dispatch_p99_ms"],
+        "client_p50_dispatch_ms_half_load": by_load["half"]["dispatch_p50_ms"],
+        "client_p99_dispatch_ms_half_load": by_load["half"]["dispatch_p99_ms"],
+        "client_p99_dispatch_ms_full_load": by_load["full"]["dispatch_p99_ms"],
         "broker_cpu_pct_full_load": by_load["full"]["broker_cpu_pct"],
         "broker_peak_rss_mib": max(p["broker_peak_rss_mib"] for p in points),
         "rss_within_bound": all(p["rss_within_bound"] for p in points),
+        "broker_rss_growth_second_half_mib": max(p["broker_rss_growth_second_half_mib"] for p in points),
         "groups_lost": sum(p["groups_lost"] for p in points),
         "groups_trained": sum(p["groups_trained_total"] for p in points),
         "ok": all(p["ok"] for p in points),

@@ -182,7 +182,7 @@ class EagerFillPlanner(BatchPlanner):
         if pending is None:
             return None
         self._drop_stale(pending.policy_version)  # the gate, as in BatchPlanner.fill
-        order = sorted(self.buffer, key=self._order)  # earliest-dispatched first
+        order = sorted(self.buffer, key=self._ledger.order)  # earliest-dispatched first
         chosen, rest = order[: pending.n_groups], order[pending.n_groups :]
         others = OrderedDict((g, self.buffer[g]) for g in rest)
         self.buffer = OrderedDict((g, self.buffer[g]) for g in chosen)
@@ -197,9 +197,7 @@ class EagerFillState(BrokerState):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.batches = EagerFillPlanner(
-            self.settings, self.counters, order=self.admission.order, drop=self.admission.drop, record=self._record,
-        )  # fmt: skip
+        self.batches = EagerFillPlanner(self.settings, self.counters, ledger=self.admission, record=self._record)
 
 
 # --- simulated processes ---------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""Admission on its own: the cursor, the admitted/dropped ledger, the limit, and its journal replay."""
+"""Admission on its own: the cursor, the ledger of open and finished groups, the limit, and its journal replay."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from vime.broker.admission import Admission
-from vime.broker.journal import JournalAdmit, JournalDropped, JournalRecord, JournalSnapshot
+from vime.broker.admission import Admission, UnknownGroup
+from vime.broker.journal import JournalAdmit, JournalDropped, JournalError, JournalRecord, JournalSnapshot
 from vime.broker.settings import BrokerSettings
 from vime.data.prompts import Prompt, PromptCursor
 
@@ -42,10 +42,40 @@ def test_dropped_groups_leave_committed_and_keep_their_reason() -> None:
     admission.drop(a.group_id, "filtered")
     admission.drop(b.group_id, "stale")
     assert admission.committed == 1
-    assert admission.dropped == {a.group_id: "filtered", b.group_id: "stale"}
+    assert admission.finished.outcome(a.epoch, a.prompt_index) == "filtered"
+    assert admission.finished.outcome(b.epoch, b.prompt_index) == "stale"
+    assert admission.finished.outcome(c.epoch, c.prompt_index) is None and admission.is_open(c.group_id)
     assert records[-1] == JournalDropped(group_id=b.group_id, reason="stale")
     assert admission.unplaced(placed=[]) == [c.group_id], "dropped groups are accounted for"
     assert admission.unplaced(placed=[c.group_id]) == []
+    with pytest.raises(UnknownGroup, match=a.group_id):
+        admission.drop(a.group_id, "failed")
+
+
+def test_released_trained_groups_stay_committed_and_leave_the_open_set() -> None:
+    admission = make_admission()
+    a, b = admission.admit(), admission.admit()
+    admission.release_trained(a.group_id)
+    assert admission.committed == 2 and admission.trained_released == 1
+    assert list(admission.open) == [b.group_id] and admission.order(a.group_id) == 0
+    with pytest.raises(UnknownGroup):
+        admission.release_trained(a.group_id)
+
+
+def test_the_ledger_stays_bounded_over_many_epochs() -> None:
+    """However many epochs the job runs, the finished groups cost at most one byte per prompt for the
+    epochs still finishing and nothing per group: the open set holds only the groups in play."""
+    admission = make_admission(n_prompts=10)
+    in_play: list[str] = []
+    for i in range(1_000):
+        in_play.append(admission.admit().group_id)
+        if len(in_play) > 15:  # a window of groups in play, finishing in order
+            group_id = in_play.pop(0)
+            admission.drop(group_id, "stale") if i % 7 == 0 else admission.release_trained(group_id)
+    assert len(admission.open) == 15
+    assert admission.finished.total == 985 and admission.committed == admission.finished.counts["trained"] + 15
+    assert admission.finished.nbytes <= 2 * 10, "only the epochs still finishing keep a byte per prompt"
+    assert admission.finished.outcome(0, 3) == "finished", "a whole epoch folds to its number"
 
 
 def test_the_limit_is_the_staleness_bound_capped_at_the_jobs_total() -> None:
@@ -70,7 +100,8 @@ def test_replaying_the_journal_rebuilds_the_ledger_and_the_cursor() -> None:
     restored = make_admission()
     for record in records:
         restored.replay(record)
-    assert restored.admitted == live.admitted and restored.dropped == live.dropped
+    assert restored.open == live.open and restored.finished.counts == live.finished.counts
+    assert restored.finished.outcome(groups[2].epoch, groups[2].prompt_index) == "failed"
     assert restored.next_seq == live.next_seq and restored.committed == live.committed
     assert (restored.cursor.epoch, restored.cursor.position) == (live.cursor.epoch, live.cursor.position)
     assert restored.admit().group_id == live.admit().group_id, "the next prompt is the same one"
@@ -80,10 +111,26 @@ def test_a_snapshot_restores_finished_groups_and_the_cursor() -> None:
     restored = make_admission()
     snap = JournalSnapshot(
         cursor_epoch=1, cursor_position=3, next_seq=14, published_version=4, weight_endpoint=None, trained_steps=3,
-        checkpoint_steps=3, trained_ids=["e0-p1", "e0-p2"], dropped={"e0-p3": "stale"}, counters={},
+        checkpoint_steps=3, finishing={0: np.array([0, 1, 1, 4, 0, 0, 0, 0, 0, 0], dtype=np.uint8)}, folded_below=0, folded_epochs=[],
+        finished_counts={"trained": 2, "stale": 1}, counters={},
     )  # fmt: skip
     restored.restore_snapshot(snap)
-    assert restored.admitted == {"e0-p1", "e0-p2", "e0-p3"} and restored.committed == 2
+    assert [restored.finished.outcome(0, i) for i in range(5)] == [None, "trained", "trained", "stale", None]
+    assert not restored.open and restored.committed == 2
     assert restored.next_seq == 14 and (restored.cursor.epoch, restored.cursor.position) == (1, 3)
     group = restored.admit()
     assert restored.order(group.group_id) == 14 and group.epoch == 1
+
+
+def test_a_journal_that_contradicts_the_ledger_is_refused() -> None:
+    records: list[JournalRecord] = []
+    live = make_admission(records)
+    group = live.admit()
+    live.drop(group.group_id, "failed")
+    restored = make_admission()
+    restored.replay(records[0])
+    restored.replay(records[1])
+    with pytest.raises(JournalError, match="not open"):
+        restored.replay(records[1])  # dropped twice
+    with pytest.raises(JournalError, match="admitted twice"):
+        restored.replay(records[0])

@@ -15,8 +15,29 @@ TRAINER = b"t0"
 COUNTERS = ("groups_trained", "groups_dropped_stale", "groups_trained_twice", "bad_messages", "steps_replayed", "batches_resent")
 
 
+class FakeLedger:
+    """The admission ledger as the planner sees it: dispatch order by group number, every group open
+    until dropped or released."""
+
+    def __init__(self) -> None:
+        self.dropped: dict[str, str] = {}
+        self.released: list[str] = []
+
+    def order(self, group_id: str) -> int:
+        return int(group_id[1:])
+
+    def is_open(self, group_id: str) -> bool:
+        return group_id not in self.dropped and group_id not in self.released
+
+    def drop(self, group_id: str, reason: str) -> None:
+        self.dropped[group_id] = reason
+
+    def release_trained(self, group_id: str) -> None:
+        self.released.append(group_id)
+
+
 class Harness:
-    """A planner with a recording journal, a dispatch order by group number, and a drop ledger."""
+    """A planner with a recording journal and a fake admission ledger."""
 
     def __init__(self, *, staleness: int = 1, batch: int = 2, num_rollout: int = 10, retain: bool = False) -> None:
         self.settings = BrokerSettings(
@@ -24,14 +45,12 @@ class Harness:
             num_rollout=num_rollout, worker_timeout_s=10.0, sampling={}, retain_until_checkpoint=retain,
         )  # fmt: skip
         self.records: list[JournalRecord] = []
-        self.dropped: dict[str, str] = {}
-        self.planner = self.new_planner()
+        self.ledger = FakeLedger()
+        self.planner = self.new_planner(self.ledger)
 
-    def new_planner(self) -> BatchPlanner:
+    def new_planner(self, ledger: FakeLedger) -> BatchPlanner:
         counters = dict.fromkeys(COUNTERS, 0)
-        return BatchPlanner(
-            self.settings, counters, order=lambda g: int(g[1:]), drop=self.dropped.__setitem__, record=self.records.append,
-        )  # fmt: skip
+        return BatchPlanner(self.settings, counters, ledger=ledger, record=self.records.append)
 
 
 def group(number: int, version: int) -> Group:
@@ -73,7 +92,7 @@ def test_the_gate_drops_groups_older_than_max_staleness() -> None:
     p.add(group(1, version=2))
     p.request(TRAINER, step=0, n_groups=1, policy_version=2, now=0.0)
     assert batch_of(p.fill(0.0, 1.0)) == ["g1"]
-    assert h.dropped == {"g0": "stale"} and p.counters["groups_dropped_stale"] == 1
+    assert h.ledger.dropped == {"g0": "stale"} and p.counters["groups_dropped_stale"] == 1
 
 
 def test_a_batch_waits_rather_than_strand_a_group_still_generating() -> None:
@@ -111,9 +130,22 @@ def test_step_done_is_idempotent_and_checks_the_groups() -> None:
     p.fill(0.0, 1.0)
     assert p.step_done(0, ["g0"]) is True
     assert p.step_done(0, ["g0"]) is False, "a repeated report changes nothing"
-    assert p.trained_in_step == {"g0": 0} and p.counters["groups_trained"] == 1 and p.trained_steps == 1
+    assert p.counters["groups_trained"] == 1 and p.trained_steps == 1
+    assert not p.trained_in_step and h.ledger.released == ["g0"], "no checkpoints: released at once"
     assert sum(isinstance(r, JournalStepDone) for r in h.records) == 1
     assert p.step_done(5, []) is False and p.counters["bad_messages"] == 1, "a step that never had a batch"
+
+
+def test_a_group_trained_again_after_its_step_was_released_counts_twice() -> None:
+    h = Harness(batch=1)
+    p = h.planner
+    for step in range(2):
+        p.add(group(0, version=step))  # the same group buffered again: a bookkeeping fault upstream
+        p.request(TRAINER, step=step, n_groups=1, policy_version=step, now=0.0)
+        p.fill(0.0, 1.0)
+        p.step_done(step, ["g0"])
+    assert p.counters["groups_trained_twice"] == 1 and p.counters["groups_trained"] == 1
+    assert h.ledger.released == ["g0"]
 
 
 def test_batches_stay_replayable_until_a_checkpoint_covers_them() -> None:
@@ -127,8 +159,10 @@ def test_batches_stay_replayable_until_a_checkpoint_covers_them() -> None:
     replay = p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
     assert replay is not None and replay.replayed and [g.group_id for g in replay.groups] == ["g1"]
     assert p.counters["steps_replayed"] == 1
+    assert p.trained_in_step == {"g0": 0, "g1": 1, "g2": 2} and not h.ledger.released
     p.checkpoint(2)
     assert isinstance(h.records[-1], JournalCheckpoint) and set(p.step_batches) == {2} and set(p.retained) == {"g2"}
+    assert h.ledger.released == ["g0", "g1"] and p.trained_in_step == {"g2": 2}
     with pytest.raises(CannotServeStep):
         p.request(TRAINER, step=1, n_groups=1, policy_version=1, now=0.0)
 
@@ -147,13 +181,15 @@ def test_replaying_the_journal_rebuilds_the_planner() -> None:
         if step == 1:
             p.checkpoint(2)
         version += 1
-    restored = h.new_planner()
+    ledger = FakeLedger()
+    restored = h.new_planner(ledger)
     for record in h.records:
         restored.replay(record)
     restored.finish_restore()
     assert list(restored.buffer) == list(p.buffer)
     assert set(restored.training) == set(p.training) and restored.step_batches == p.step_batches
     assert set(restored.retained) == set(p.retained) and restored.trained_in_step == p.trained_in_step
+    assert ledger.released == h.ledger.released and ledger.dropped == h.ledger.dropped
     assert (restored.trained_steps, restored.checkpoint_steps) == (p.trained_steps, p.checkpoint_steps)
     again = restored.request(TRAINER, step=3, n_groups=2, policy_version=3, now=0.0)
     assert again is not None and [g.group_id for g in again.groups] == p.step_batches[3], "the batch out for training"

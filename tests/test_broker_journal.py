@@ -215,12 +215,17 @@ def test_random_crashes_lose_nothing_and_train_nothing_twice(tmp_path: Path, see
     assert state.counters["broker_restarts"] == job.crashes
     # Every admitted group (epoch, prompt) is trained once, dropped for a recorded reason, or still in the
     # pipeline (admission runs ahead of the last step); none is two of these.
-    trained_ids, dropped_ids = set(ids), set(state.admission.dropped)
-    assert not trained_ids & dropped_ids
     in_pipeline = {g.group_id for g in state.retry_queue} | set(state.batches.buffer) | set(state.generating) | set(state.scoring)
     in_pipeline |= {g.group_id for g in state.to_score}
-    assert state.admission.admitted == trained_ids | dropped_ids | in_pipeline
-    assert not in_pipeline & (trained_ids | dropped_ids)
+    live_trained = set(state.batches.trained_in_step)
+    assert set(state.admission.open) == in_pipeline | live_trained
+    assert not in_pipeline & set(ids) and live_trained <= set(ids)
+    finished = state.admission.finished
+    assert finished.counts["trained"] + len(live_trained) == len(ids)
+    assert finished.total + len(in_pipeline) + len(live_trained) == state.counters["groups_admitted"]
+    assert sum(finished.counts[r] for r in ("failed", "filtered", "stale")) == sum(
+        state.counters[k] for k in ("groups_failed", "groups_filtered", "groups_dropped_stale")
+    )
 
 
 def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
@@ -261,7 +266,8 @@ def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
                 assert restored.batches.step_batches == state.batches.step_batches
                 assert set(restored.batches.retained) == set(state.batches.retained)
                 assert set(restored.batches.trained_in_step) == set(state.batches.trained_in_step)
-                assert restored.admission.dropped == state.admission.dropped
+                assert restored.admission.open == state.admission.open
+                assert restored.admission.finished.counts == state.admission.finished.counts
                 assert (restored.trained_steps, restored.batches.checkpoint_steps) == (state.trained_steps, state.batches.checkpoint_steps)
                 assert restored.published_version == state.published_version
                 assert restored.weight_endpoint is None, "a restored broker must not send workers to a dead publisher"

@@ -36,4 +36,6 @@ def test_quick_broker_scale_run_moves_groups_end_to_end_and_accounts_for_every_c
         for role, credits in point["credits"].items():
             assert credits["granted"] == credits["dispatched"] + credits["held_by_broker"], (role, credits)
         assert point["messages_per_s"] > 0 and point["dispatch_samples"] > 0
+        assert point["broker_dispatch_samples"] > 0 and point["broker_dispatch_p99_ms"] is not None, point
+        assert point["group_decoded_bytes"] > point["group_bytes"], "decoded objects cost more than their bytes"
     assert summary["ok"]

@@ -1,24 +1,36 @@
 """Admission: which prompts enter the pipeline, in what order, and how many training groups may be in it.
 
-Owns the prompt cursor, the ledger of admitted training groups (each one's dispatch order) and of
-those that left untrained (each one's reason), and the admission limit: the staleness bound widened
-by the margin over-sampling asks for (docs/broker.md, "Staleness" and "Dynamic sampling"). Writes the
-journal records of its decisions (`JournalAdmit`, `JournalDropped`) and replays them on restore.
-Counts `groups_admitted` in the broker's shared counters; the drop counters are the caller's, which
-knows why a group left.
+Owns the prompt cursor, the ledger of training groups (the open ones, admitted and not finished, with
+their dispatch order; the finished ones folded into `FinishedGroups`), and the admission limit: the
+staleness bound widened by the margin over-sampling asks for (docs/broker.md, "Staleness" and "Dynamic
+sampling"). Writes the journal records of its decisions (`JournalAdmit`, `JournalDropped`) and replays
+them on restore. Counts `groups_admitted` in the broker's shared counters; the drop counters are the
+caller's, which knows why a group left.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
-from vime.broker.journal import JournalAdmit, JournalDropped, JournalRecord, JournalSnapshot
+from vime.broker.finished import FinishedGroups, Outcome
+from vime.broker.journal import JournalAdmit, JournalDropped, JournalError, JournalRecord, JournalSnapshot
 from vime.broker.settings import BrokerSettings
 from vime.data.prompts import PromptCursor
 from vime.protocol.messages import Group
 
 DropReason = str  # "failed", "filtered" or "stale" (JournalDropped's reasons)
+
+
+class UnknownGroup(LookupError):
+    """A group id that is not open: never admitted, or already finished."""
+
+
+class OpenGroup(NamedTuple):
+    seq: int  # its place in dispatch order
+    epoch: int
+    prompt_index: int
 
 
 class Admission:
@@ -30,15 +42,20 @@ class Admission:
         self.cursor = cursor
         self.counters = counters
         self._record = record
-        self.seq: dict[str, int] = {}  # admitted group id -> its place in dispatch order
-        self.admitted: set[str] = set()
-        self.dropped: dict[str, DropReason] = {}
+        # Admitted and not finished: on their way, or trained but still replayable to a resumed trainer.
+        self.open: dict[str, OpenGroup] = {}
+        self.finished = FinishedGroups(len(cursor))
         self.next_seq = 0
 
     @property
     def committed(self) -> int:
         """Training groups admitted and not dropped: trained, or on their way to it."""
-        return len(self.admitted) - len(self.dropped)
+        return self.finished.counts["trained"] + len(self.open)
+
+    @property
+    def trained_released(self) -> int:
+        """Trained groups no trainer will ask for again (finished as trained)."""
+        return self.finished.counts["trained"]
 
     def base_limit(self, published_version: int) -> int:
         """The staleness bound on `committed`: groups that can still train within max_staleness versions
@@ -63,8 +80,7 @@ class Admission:
         group = self.group_for(epoch, prompt.index)
         seq = self.next_seq
         self.next_seq += 1
-        self.seq[group.group_id] = seq
-        self.admitted.add(group.group_id)
+        self.open[group.group_id] = OpenGroup(seq, epoch, prompt.index)
         self.counters["groups_admitted"] += 1
         self._record(JournalAdmit(
             group_id=group.group_id, epoch=epoch, prompt_index=prompt.index, seq=seq,
@@ -88,33 +104,57 @@ class Admission:
 
     def order(self, group_id: str) -> int:
         """A group's place in dispatch order (ties between equal deadlines go to the earlier one)."""
-        return self.seq.get(group_id, 0)
+        entry = self.open.get(group_id)
+        return 0 if entry is None else entry.seq
+
+    def is_open(self, group_id: str) -> bool:
+        """Admitted and not finished."""
+        return group_id in self.open
 
     def drop(self, group_id: str, reason: DropReason) -> None:
-        """A training group leaves without being trained; the reason is kept and journaled."""
-        self.dropped[group_id] = reason
+        """A training group leaves without being trained; the reason is counted and journaled. Raises
+        UnknownGroup if it is not open."""
+        self._finish(group_id, reason)  # type: ignore[arg-type]
         self._record(JournalDropped(group_id=group_id, reason=reason))  # type: ignore[arg-type]
 
+    def release_trained(self, group_id: str) -> None:
+        """A trained group no trainer will ask for again finishes (not journaled: the trainer's
+        checkpoint or step record says so). Raises UnknownGroup if it is not open."""
+        self._finish(group_id, "trained")
+
+    def _finish(self, group_id: str, outcome: Outcome) -> None:
+        entry = self.open.pop(group_id, None)
+        if entry is None:
+            raise UnknownGroup(f"group {group_id} is not open (never admitted, or already finished)")
+        self.finished.add(entry.epoch, entry.prompt_index, outcome)
+
     def unplaced(self, placed: Iterable[str]) -> list[str]:
-        """Admitted groups neither dropped nor in `placed`, in dispatch order."""
-        missing = self.admitted - set(placed) - self.dropped.keys()
+        """Open groups not in `placed`, in dispatch order."""
+        missing = self.open.keys() - set(placed)
         return sorted(missing, key=self.order)
 
     # --- restore -------------------------------------------------------------------------------
 
     def replay(self, record: JournalRecord) -> None:
-        """Apply one of this part's journal records (others are ignored)."""
+        """Apply one of this part's journal records (others are ignored). Raises JournalError when the
+        journal contradicts itself."""
         if isinstance(record, JournalAdmit):
-            self.admitted.add(record.group_id)
-            self.seq[record.group_id] = record.seq
+            if record.group_id in self.open or self.finished.has(record.epoch, record.prompt_index):
+                raise JournalError(f"journal: group {record.group_id} admitted twice")
+            self.open[record.group_id] = OpenGroup(record.seq, record.epoch, record.prompt_index)
             self.next_seq = max(self.next_seq, record.seq + 1)
             self.cursor.seek(record.cursor_epoch, record.cursor_position)
         elif isinstance(record, JournalDropped):
-            self.dropped[record.group_id] = record.reason
+            try:
+                self._finish(record.group_id, record.reason)
+            except UnknownGroup as exc:
+                raise JournalError(f"journal: {record.reason} {exc}") from None
 
     def restore_snapshot(self, snap: JournalSnapshot) -> None:
         """A compacted journal's snapshot: the cursor, and the finished groups (trained or dropped)."""
         self.cursor.seek(snap.cursor_epoch, snap.cursor_position)
         self.next_seq = snap.next_seq
-        self.dropped = dict(snap.dropped)
-        self.admitted = set(snap.trained_ids) | set(snap.dropped)
+        self.open = {}
+        self.finished = FinishedGroups.from_snapshot(
+            len(self.cursor), snap.finishing, snap.folded_below, snap.folded_epochs, snap.finished_counts,
+        )  # fmt: skip

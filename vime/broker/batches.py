@@ -2,10 +2,11 @@
 
 Owns the buffer of trainable groups, the trainer's pending request, the groups out for training, each
 step's batch (kept until the trainer's checkpoint covers it, so a resumed trainer gets the same groups
-again) and the ledger of trained groups. A batch takes the earliest deadlines first and waits rather
-than strand a group still on its way (docs/broker.md, "Staleness"). Writes the journal records of its
-decisions (`JournalBuffered`, `JournalBatch`, `JournalStepDone`, `JournalCheckpoint`) and replays them.
-Groups too stale to train leave through the `drop` callback (the admission ledger's).
+again) and the trained groups of those steps. A batch takes the earliest deadlines first and waits
+rather than strand a group still on its way (docs/broker.md, "Staleness"). Writes the journal records
+of its decisions (`JournalBuffered`, `JournalBatch`, `JournalStepDone`, `JournalCheckpoint`) and replays
+them. Groups leave through the admission ledger (`GroupLedger`): too stale to train, or trained and
+released once no trainer can ask for their step again.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -33,6 +35,15 @@ class CannotServeStep(ProtocolError):
         super().__init__(ERROR_CANNOT_RESUME, detail)
 
 
+class GroupLedger(Protocol):
+    """What the planner asks of the ledger of admitted groups (`vime.broker.admission.Admission`)."""
+
+    def order(self, group_id: str) -> int: ...
+    def is_open(self, group_id: str) -> bool: ...
+    def drop(self, group_id: str, reason: str) -> None: ...
+    def release_trained(self, group_id: str) -> None: ...
+
+
 @dataclass
 class PendingBatch:
     identity: bytes
@@ -44,18 +55,18 @@ class PendingBatch:
 
 class BatchPlanner:
     def __init__(
-        self, settings: BrokerSettings, counters: dict[str, int], *, order: Callable[[str], int],
-        drop: Callable[[str, str], None], record: Callable[[JournalRecord], None],
+        self, settings: BrokerSettings, counters: dict[str, int], *, ledger: GroupLedger,
+        record: Callable[[JournalRecord], None],
     ) -> None:  # fmt: skip
         self.settings = settings
         self.counters = counters
-        self._order = order
-        self._drop = drop
+        self._ledger = ledger
         self._record = record
         self.buffer: OrderedDict[str, Group] = OrderedDict()
         self.training: dict[str, Group] = {}
-        # Per step (from the last trainer checkpoint on): the group ids of its batch, and the payloads of
-        # trained groups still replayable by a trainer that resumes from that checkpoint.
+        # Per step (from the last trainer checkpoint on): the group ids of its batch, the payloads of
+        # trained groups still replayable by a trainer that resumes from that checkpoint, and the step
+        # each of those trained in (a group released with its step is the ledger's).
         self.step_batches: dict[int, list[str]] = {}
         self.retained: dict[str, Group] = {}
         self.trained_in_step: dict[str, int] = {}
@@ -83,7 +94,8 @@ class BatchPlanner:
 
     @property
     def kept(self) -> int:
-        """Groups kept for training: buffered, out for training, or trained."""
+        """Groups kept for training and not released: buffered, out for training, or trained in a step
+        a trainer may still ask for."""
         return len(self.trained_in_step) + len(self.training) + len(self.buffer)
 
     def add(self, group: Group) -> None:
@@ -170,7 +182,7 @@ class BatchPlanner:
         if len(self.buffer) < pending.n_groups:
             self._waited_at = self._changes
             return None
-        oldest, order = self._oldest, self._order
+        oldest, order = self._oldest, self._ledger.order
         by_deadline = sorted(self.buffer, key=lambda g: (oldest[g], order(g)))
         ordered = by_deadline[: pending.n_groups]
         if self._would_strand(pending, by_deadline[pending.n_groups :], keep_rate):
@@ -195,7 +207,7 @@ class BatchPlanner:
         for group_id in [g for g, oldest in self._oldest.items() if policy_version - oldest > limit]:
             self._unbuffer(group_id)
             self.counters["groups_dropped_stale"] += 1
-            self._drop(group_id, "stale")
+            self._ledger.drop(group_id, "stale")
 
     def _would_strand(self, pending: PendingBatch, left_buffered: list[str], keep_rate: float) -> bool:
         """True if sending this batch now would leave a group still generating or scoring with no step
@@ -280,11 +292,13 @@ class BatchPlanner:
             group = self.training.pop(group_id, None)
             if group is not None and self.settings.retain_until_checkpoint:
                 self.retained[group_id] = group
-            first = self.trained_in_step.setdefault(group_id, step)
-            if first != step:
-                self.counters["groups_trained_twice"] += 1
-            elif group is not None:
-                self.counters["groups_trained"] += 1
+            first = self.trained_in_step.get(group_id)
+            if first not in (None, step) or (first is None and not self._ledger.is_open(group_id)):
+                self.counters["groups_trained_twice"] += 1  # in another step, or in one already released
+            elif first is None:
+                self.trained_in_step[group_id] = step
+                if group is not None:
+                    self.counters["groups_trained"] += 1
         self.trained_steps = max(self.trained_steps, step + 1)
         if not self.settings.retain_until_checkpoint:
             self._release_before(self.trained_steps)
@@ -302,6 +316,8 @@ class BatchPlanner:
         for step in [s for s in self.step_batches if s < self.checkpoint_steps]:
             for group_id in self.step_batches.pop(step):
                 self.retained.pop(group_id, None)
+                if self.trained_in_step.pop(group_id, None) is not None:
+                    self._ledger.release_trained(group_id)
 
     # --- restore -------------------------------------------------------------------------------
 
@@ -329,14 +345,15 @@ class BatchPlanner:
             self._release_before(record.steps_done)
 
     def restore_snapshot(self, snap: JournalSnapshot) -> None:
-        """A compacted journal's snapshot: the steps done, the checkpoint, the trained groups."""
+        """A compacted journal's snapshot: the steps done and the checkpoint (the finished groups are the
+        ledger's)."""
         self.trained_steps = snap.trained_steps
         self.checkpoint_steps = snap.checkpoint_steps
-        self.trained_in_step = {g: -1 for g in snap.trained_ids}
+        self.trained_in_step = {}
 
     def finish_restore(self) -> None:
         """After the replay: the buffer in dispatch order, as it was built live."""
-        self.buffer = OrderedDict(sorted(self.buffer.items(), key=lambda kv: self._order(kv[0])))
+        self.buffer = OrderedDict(sorted(self.buffer.items(), key=lambda kv: self._ledger.order(kv[0])))
 
 
 def staleness_stats(groups: list[Group], policy_version: int) -> dict[str, float]:

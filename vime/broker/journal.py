@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from vime.logging import get_logger
 from vime.protocol.codec import Message, ProtocolError, decode, encode
 from vime.protocol.messages import Group
@@ -42,7 +44,7 @@ from vime.protocol.messages import Group
 log = get_logger(__name__)
 
 FsyncPolicy = Literal["always", "interval", "never"]
-JOURNAL_FORMAT = 1
+JOURNAL_FORMAT = 2  # 2: finished groups as one byte per prompt (JournalSnapshot.finishing)
 _U32 = struct.Struct("<I")
 _RECORD_HEAD = struct.Struct("<II")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -136,8 +138,13 @@ class JournalSnapshot(JournalRecord, tag="j_snapshot"):
     weight_endpoint: str | None
     trained_steps: int
     checkpoint_steps: int
-    trained_ids: list[str]
-    dropped: dict[str, str]
+    # Finished groups (`vime.broker.finished`): per epoch still finishing, one outcome code per prompt
+    # index; the epochs whose every prompt finished (all below `folded_below`, and `folded_epochs`); how
+    # many ended each way.
+    finishing: dict[int, np.ndarray]
+    folded_below: int
+    folded_epochs: list[int]
+    finished_counts: dict[str, int]
     counters: dict[str, int]
 
 

@@ -30,8 +30,8 @@ from vime.broker.journal import (
 from vime.broker.state import BrokerState
 from vime.protocol.messages import Group
 
-# Counters recomputed from the records; the rest come from the newest snapshot of them.
-DERIVED_COUNTERS = ("groups_admitted", "groups_trained", "groups_failed", "groups_filtered", "groups_dropped_stale")
+# Counters recomputed from the records (with groups_admitted and groups_trained); the rest come from the
+# newest snapshot of them.
 DROP_COUNTERS = {"failed": "groups_failed", "filtered": "groups_filtered", "stale": "groups_dropped_stale"}
 
 
@@ -81,9 +81,10 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
     state.batches.finish_restore()
     state.counters.update({k: v for k, v in counters.items() if k in state.counters})
     state.counters["groups_admitted"] = admitted
-    state.counters["groups_trained"] = len(state.batches.trained_in_step)
+    finished = state.admission.finished.counts
+    state.counters["groups_trained"] = finished["trained"] + len(state.batches.trained_in_step)
     for reason, key in DROP_COUNTERS.items():
-        state.counters[key] = sum(1 for r in state.admission.dropped.values() if r == reason)
+        state.counters[key] = finished[reason]  # type: ignore[index]
     state.counters["broker_restarts"] += 1
     # Groups admitted but never buffered were generating or scoring: their tokens were not journaled.
     unplaced = [admits[group_id] for group_id in state.admission.unplaced(state.placed_ids())]
@@ -111,7 +112,10 @@ def steps_recorded(records: list[JournalRecord]) -> int:
 
 def _check_header(state: BrokerState, header: JournalHeader) -> None:
     if header.format != JOURNAL_FORMAT:
-        raise JournalError(f"journal format {header.format}, this build reads format {JOURNAL_FORMAT}")
+        raise JournalError(
+            f"journal format {header.format}, this build reads format {JOURNAL_FORMAT}: finish that job with the vime "
+            "that started it, or start over with a new --run-dir"
+        )
     expected = job_fingerprint(state)
     if header.fingerprint != expected:
         changed = sorted(k for k in expected.keys() | header.fingerprint.keys() if expected.get(k) != header.fingerprint.get(k))
@@ -122,32 +126,20 @@ def _check_header(state: BrokerState, header: JournalHeader) -> None:
         )
 
 
-def _apply_snapshot(state: BrokerState, snap: JournalSnapshot) -> None:
-    state.cursor.seek(snap.cursor_epoch, snap.cursor_position)
-    state._next_seq = snap.next_seq
-    state.published_version = snap.published_version
-    state.weight_endpoint = snap.weight_endpoint
-    state.trained_steps = snap.trained_steps
-    state.checkpoint_steps = snap.checkpoint_steps
-    state.trained_in_step = {g: -1 for g in snap.trained_ids}
-    state.dropped = dict(snap.dropped)
-    state.admitted_ids = set(snap.trained_ids) | set(snap.dropped)
-
-
 def compacted(state: BrokerState) -> list[JournalRecord]:
     """The live state as a fresh journal: header, a snapshot of everything finished, then the records
     that rebuild the groups still in play (admitted-unfinished, buffered, in training, replayable)."""
     admission, batches = state.admission, state.batches
-    live = set(batches.retained) | set(batches.training)
-    finished = {g: s for g, s in batches.trained_in_step.items() if g not in live}
-    in_play = _in_play(state)
+    in_play = set(admission.open)
+    finishing, folded_below, folded_epochs, finished_counts = admission.finished.snapshot()
     records: list[JournalRecord] = [
         header_for(state),
         JournalSnapshot(
             cursor_epoch=admission.cursor.epoch, cursor_position=admission.cursor.position,
             next_seq=admission.next_seq, published_version=state.published_version,
             weight_endpoint=state.weight_endpoint, trained_steps=batches.trained_steps,
-            checkpoint_steps=batches.checkpoint_steps, trained_ids=sorted(finished), dropped=dict(admission.dropped),
+            checkpoint_steps=batches.checkpoint_steps, finishing=finishing, folded_below=folded_below,
+            folded_epochs=folded_epochs, finished_counts=finished_counts,
             counters={**state.counters, "groups_admitted": state.counters["groups_admitted"] - len(in_play)},
         ),  # fmt: skip
     ]
@@ -173,13 +165,6 @@ def compacted(state: BrokerState) -> list[JournalRecord]:
     if state.finished:
         records.append(JournalFinished(trained_steps=batches.trained_steps))
     return records
-
-
-def _in_play(state: BrokerState) -> set[str]:
-    """Admitted training groups not finished: everything except trained-and-released and dropped."""
-    batches = state.batches
-    released = {g for g in batches.trained_in_step if g not in batches.retained and g not in batches.training}
-    return state.admission.admitted - released - state.admission.dropped.keys()
 
 
 __all__ = ["restore", "compacted", "header_for", "job_finished", "job_fingerprint", "steps_recorded"]

@@ -234,6 +234,7 @@ class BrokerServer:
         self.bad_message_log.roll(now)
         self._send(self.state.dispatch())
         self._send(self.state.dispatch_scoring())
+        self.state.record_sent(time.monotonic())
         self._send(self.state.try_fill_batch(now))
         evals = self.state.poll_evals()
         for step, msg in {m.step: m for _, m in evals if isinstance(m, EvalResult)}.items():
@@ -316,7 +317,7 @@ class BrokerServer:
             state.remove_worker(identity)
             log.info("worker_left", worker=worker.worker_id, reason=msg.reason, requeued=worker.requeued)
         elif isinstance(msg, Credit):
-            state.add_credit(identity, msg.n)
+            state.add_credit(identity, msg.n, now)
         elif isinstance(msg, GroupsGenerated):
             accepted = state.on_generated(identity, msg.groups)
             self._send([(identity, Ack(ids=accepted))])
@@ -361,9 +362,13 @@ class BrokerServer:
     def _send(self, outgoing: Outgoing) -> None:
         if outgoing:
             self._flush_journal()  # write-ahead: a record is in the kernel before anyone acts on it
+        last: tuple[Message | None, list[Any]] = (None, [])
         for identity, msg in outgoing:
+            # One message to many peers (a weight version announced to every rollout worker) is encoded once.
+            frames = last[1] if msg is last[0] else encode(msg)
+            last = (msg, frames)
             try:
-                self.socket.send_multipart([identity, *encode(msg)], copy=False)
+                self.socket.send_multipart([identity, *frames], copy=False)
             except zmq.ZMQError as exc:
                 # ROUTER_MANDATORY: the peer is gone. Its leases expire through the heartbeat timeout.
                 log.warning("send_failed", peer=identity.hex(), message=type(msg).__name__, error=str(exc))

@@ -24,6 +24,7 @@ from vime.broker.batches import BatchPlanner, CannotServeStep
 from vime.broker.dynamic_sampling import DynamicSampling, GroupFilter
 from vime.broker.eval_runs import EvalRuns
 from vime.broker.journal import JournalBuffered, JournalError, JournalFinished, JournalPublished, JournalRecord
+from vime.broker.latency import LatencyHistogram
 from vime.broker.settings import BrokerSettings
 from vime.broker.status import broker_status
 from vime.broker.workers import WorkerInfo, WorkerRegistry
@@ -71,9 +72,7 @@ class BrokerState:
         self.journal: JournalSink | None = None
         self.registry = WorkerRegistry()
         self.admission = Admission(settings, cursor, self.counters, self._record)
-        self.batches = BatchPlanner(
-            settings, self.counters, order=self.admission.order, drop=self.admission.drop, record=self._record,
-        )  # fmt: skip
+        self.batches = BatchPlanner(settings, self.counters, ledger=self.admission, record=self._record)
         # The filter's keep-rate window is four admission windows long: short enough to follow a rate
         # that drifts as the policy learns, long enough that chance runs of drops do not make admission
         # over-generate.
@@ -92,6 +91,8 @@ class BrokerState:
         self.published_version = 0
         self.weight_endpoint: str | None = None
         self.finished = False
+        # How long credits wait for a group (fed by the server, which knows when it sent; `latency`).
+        self.credit_wait = {"rollout": LatencyHistogram(), "reward": LatencyHistogram()}
 
     def _record(self, record: JournalRecord) -> None:
         if self.journal is not None:
@@ -162,8 +163,14 @@ class BrokerState:
         worker.requeued += requeued
         worker.leased.clear()
 
-    def add_credit(self, identity: bytes, n: int) -> None:
-        self.registry.add_credit(identity, n)
+    def add_credit(self, identity: bytes, n: int, now: float = 0.0) -> None:
+        self.registry.add_credit(identity, n, now)
+
+    def record_sent(self, now: float) -> None:
+        """The groups leased since the last call were sent at `now`: their credits' waits are measured."""
+        for role, histogram in self.credit_wait.items():
+            for granted_at in self.registry.take_spent_credit_times(role):
+                histogram.observe(now - granted_at)
 
     # --- admission and dispatch ----------------------------------------------------------------
 
@@ -175,7 +182,8 @@ class BrokerState:
     @property
     def admission_limit(self) -> int:
         """Admit while `committed` is below this (docs/broker.md, "Staleness")."""
-        return self.admission.limit(self.published_version, self.batches.kept, self.dynamic.expected_keep_rate)
+        kept = self.admission.trained_released + self.batches.kept
+        return self.admission.limit(self.published_version, kept, self.dynamic.expected_keep_rate)
 
     @property
     def over_sampling_margin(self) -> int:
@@ -355,7 +363,7 @@ class BrokerState:
     def replay(self, record: JournalRecord) -> None:
         """Apply one journal record to the parts (restore; `vime.broker.recovery`). Raises JournalError
         when the journal contradicts itself."""
-        if isinstance(record, JournalBuffered) and record.group.group_id not in self.admission.admitted:
+        if isinstance(record, JournalBuffered) and not self.admission.is_open(record.group.group_id):
             raise JournalError(f"journal: group {record.group.group_id} buffered but never admitted")
         self.admission.replay(record)
         self.batches.replay(record)
@@ -366,7 +374,7 @@ class BrokerState:
     # --- status --------------------------------------------------------------------------------
 
     def placed_ids(self) -> set[str]:
-        """Training groups somewhere other than the admission ledger: trained or in a queue."""
+        """Training groups somewhere: in a queue, or trained in a step a trainer may still ask for."""
         b = self.batches
         placed = set(b.trained_in_step) | set(b.buffer) | set(b.training) | set(self.generating) | set(self.scoring)
         placed |= {g.group_id for g in self.retry_queue} | {g.group_id for g in self.to_score}
@@ -374,8 +382,8 @@ class BrokerState:
 
     @property
     def groups_lost(self) -> int:
-        """Admitted training groups that are nowhere: not trained, not dropped for a recorded reason,
-        not in any queue. Must be 0; computed from the ledgers, not from the counters."""
+        """Open training groups (admitted, not finished) that are nowhere: not in any queue, not trained
+        in a step still held. Must be 0; computed from the ledgers, not from the counters."""
         return len(self.admission.unplaced(self.placed_ids()))
 
     def status(self, now: float) -> dict[str, Any]:

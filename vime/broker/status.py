@@ -29,6 +29,9 @@ def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
             "training": len(state.batches.training),
         },
         "counters": dict(state.counters),
+        # From a credit's arrival to the send of the group that spends it (vime.broker.latency).
+        "dispatch_latency": state.credit_wait["rollout"].status(),
+        "scoring_dispatch_latency": state.credit_wait["reward"].status(),
         "dynamic_sampling": state.dynamic.status(state.settings.over_sampling_batch_size, state.over_sampling_margin),
         "eval": state.evals.status(),
         "workers": [

@@ -17,6 +17,7 @@ worker ranked by its old key.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +36,13 @@ class WorkerInfo:
     leased: set[str] = field(default_factory=set)
     stats: dict[str, Any] = field(default_factory=dict)
     requeued: int = 0  # leased groups put back in a queue when this registration ended (for the log)
+    # When each unspent credit arrived, oldest first (what the dispatch latency counts from).
+    credit_times: deque[float] = field(default_factory=deque, repr=False, compare=False)
     # The registry's ticket for this worker's current heap entry: a key change takes a new ticket.
     ticket: int = field(default=0, repr=False, compare=False)
 
+
+SPENT_CREDIT_TIMES_KEPT = 1 << 16
 
 # A role's heap entry: (leases, -credits, registration order, ticket, identity).
 _Entry = tuple[int, int, int, int, bytes]
@@ -52,6 +57,9 @@ class WorkerRegistry:
         self._next_order = 0
         self._heaps: dict[str, list[_Entry]] = {}
         self._tickets = 0
+        # Arrival times of credits spent since the server last took them; bounded, for callers (tests,
+        # simulators) that never do.
+        self._spent_credit_times: dict[str, deque[float]] = {}
 
     def __iter__(self) -> Iterator[WorkerInfo]:
         return iter(list(self.workers.values()))
@@ -107,10 +115,16 @@ class WorkerRegistry:
         """Workers not heard from for longer than `timeout_s`."""
         return [w for w in self.workers.values() if now - w.last_seen > timeout_s]
 
-    def add_credit(self, identity: bytes, n: int) -> None:
+    def add_credit(self, identity: bytes, n: int, now: float = 0.0) -> None:
         worker = self.workers[identity]
         worker.credits += n
+        worker.credit_times.extend([now] * max(0, n))
         self._rank(worker)
+
+    def take_spent_credit_times(self, role: str) -> list[float]:
+        """When the credits spent by `lease_out` since the last call arrived (for the dispatch latency;
+        at most the newest SPENT_CREDIT_TIMES_KEPT)."""
+        return list(self._spent_credit_times.pop(role, ()))
 
     def end_lease(self, identity: bytes, group_id: str) -> None:
         """A leased group's result arrived (or the lease was taken back): the worker may rank higher."""
@@ -171,6 +185,11 @@ class WorkerRegistry:
             if group is None:
                 break
             worker.credits -= 1
+            if worker.credit_times:
+                spent = self._spent_credit_times.get(role)
+                if spent is None:
+                    spent = self._spent_credit_times[role] = deque(maxlen=SPENT_CREDIT_TIMES_KEPT)
+                spent.append(worker.credit_times.popleft())
             worker.leased.add(group.group_id)
             self._rank(worker)
             leases[group.group_id] = (group, worker.identity)

@@ -132,7 +132,8 @@ def _dec_hook(expected: type, obj: Any) -> Any:
         raise msgspec.ValidationError(f"array dtype {dtype_name!r} is not allowed")
     # 1-D arrays (tokens, logprobs, masks, versions: most arrays of a group) take the short way: this
     # hook runs for every array of every message, 300 k times in a 10 s run of bench/broker_scale.py.
-    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+    one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0
+    if one_dim:
         expected_bytes = shape[0] * dtype.itemsize
     elif not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) or len(shape) > 8:
         raise msgspec.ValidationError(f"array shape {shape!r} is not a list of non-negative ints")
@@ -143,7 +144,8 @@ def _dec_hook(expected: type, obj: Any) -> Any:
             raise msgspec.ValidationError(
                 f"array of dtype {dtype_name} shape {shape} needs {expected_bytes} bytes, got {len(ref)}"
             )
-        return np.frombuffer(ref, dtype=dtype).reshape(shape)
+        # frombuffer is already 1-D: a reshape would add a second array object to every small array.
+        return np.frombuffer(ref, dtype=dtype) if one_dim else np.frombuffer(ref, dtype=dtype).reshape(shape)
     if isinstance(ref, bytes):
         buf: memoryview = memoryview(ref)
     elif isinstance(ref, int):
@@ -157,7 +159,7 @@ def _dec_hook(expected: type, obj: Any) -> Any:
         raise msgspec.ValidationError(
             f"array of dtype {dtype_name} shape {shape} needs {expected_bytes} bytes, got {buf.nbytes}"
         )
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return np.frombuffer(buf, dtype=dtype) if one_dim else np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
