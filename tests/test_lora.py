@@ -339,3 +339,44 @@ def _dist_worker(checkpoint: str, out_dir: str) -> None:
 if __name__ == "__main__":
     _dist_worker(sys.argv[1], sys.argv[2])
     os._exit(0)  # as test_torch_backend's worker: skip teardown, where gloo/FSDP2 threads may abort
+
+
+def test_only_the_adapter_is_published_and_the_hf_engine_merges_it(checkpoint: Path) -> None:
+    """A LoRA run publishes adapter versions (peft names + adapter_config.json); the hf rollout engine
+    merges each one into the base it started from, so it generates with the trainer's merged weights."""
+    import asyncio
+
+    from vime.rollout import WeightUpdateError, build_engine
+    from vime.weights import WeightPublisher
+    from vime.workers.trainer import publish_weights
+
+    trainer = TorchTrainer(lora_config(checkpoint))
+    full_bytes = sum(t.numel() * 4 for _, t in trainer.export_weights(dtype=torch.float32))
+    loop = asyncio.new_event_loop()
+    with WeightPublisher(bind="tcp://127.0.0.1:*") as publisher:
+        engine = build_engine("hf", str(checkpoint), engine_args={"dtype": "float32"}, weight_endpoint=publisher.endpoint)
+        loop.run_until_complete(engine.start())
+        try:
+            for version in (1, 2):
+                trainer.train_step(batch(version))
+                times = publish_weights(trainer, publisher, version, torch.float32)
+                export = trainer.export_adapter(dtype=torch.float32)
+                assert export is not None and times.nbytes == export.nbytes < full_bytes / 4
+                result = loop.run_until_complete(engine.update_weights(version))
+                assert result.version == version and result.nbytes == times.nbytes
+                state = engine._model.state_dict()  # type: ignore[attr-defined]
+                for name, merged in trainer.export_weights(dtype=torch.float32):
+                    torch.testing.assert_close(state[name], merged, rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(logits(engine._model, IDS), logits(trainer.hf_model, IDS), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
+            # An adapter the merge cannot reproduce is refused before any weight changes.
+            before = {k: v.clone() for k, v in engine._model.state_dict().items()}  # type: ignore[attr-defined]
+            export = trainer.export_adapter(dtype=torch.float32)
+            assert export is not None
+            publisher.publish(3, list(export.tensors.items()), adapter_config={**export.config, "use_dora": True})
+            with pytest.raises(WeightUpdateError, match="DoRA"):
+                loop.run_until_complete(engine.update_weights(3))
+            after = engine._model.state_dict()  # type: ignore[attr-defined]
+            assert all(torch.equal(before[k], after[k]) for k in before) and engine.weight_version == 2
+        finally:
+            loop.run_until_complete(engine.shutdown())
+            loop.close()

@@ -498,3 +498,32 @@ def test_an_engine_built_without_sleep_mode_refuses_to_sleep(model_dir) -> None:
     plain = VllmRolloutEngine(str(model_dir))
     with pytest.raises(EngineCannotSleep, match="without sleep_mode"):
         asyncio.run(plain.sleep(1))
+
+
+def test_a_lora_adapter_version_is_merged_over_the_checkpoint(loop, engine, model_dir, publisher) -> None:
+    """A LoRA run publishes only the adapter; the vLLM worker merges it into the checkpoint's weights
+    (read from its safetensors) and loads the adapted ones: logprobs match base + scaling * B @ A."""
+    from safetensors.torch import load_file
+
+    base = load_file(str(model_dir / "model.safetensors"))
+    publisher.publish(next(_versions), [(n, t.to(torch.bfloat16)) for n, t in base.items()])  # back to the base
+    loop.run_until_complete(engine.update_weights(publisher.latest_version))
+    g = torch.Generator().manual_seed(5)
+    adapter, merged = [], dict(base)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    for name, weight in base.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")):
+            a = 0.3 * torch.randn(4, weight.shape[1], generator=g)
+            b = 0.3 * torch.randn(weight.shape[0], 4, generator=g)
+            module = name.removesuffix(".weight")
+            adapter += [(f"base_model.model.{module}.lora_A.weight", a), (f"base_model.model.{module}.lora_B.weight", b)]
+            merged[name] = weight.float() + 2.0 * b @ a
+    version = next(_versions)
+    stats = publisher.publish(version, adapter, adapter_config=config)
+    result = loop.run_until_complete(engine.update_weights(version))
+    assert result.version == version and result.nbytes == stats.nbytes < sum(t.numel() * 2 for t in base.values())
+    response = [10, 11, 12, 13, 14, 15, 16, 17]
+    got = loop.run_until_complete(engine.score(PROMPT, response))
+    want = reference_logprobs(model_dir, [(n, t.to(torch.bfloat16)) for n, t in merged.items()], PROMPT, response)
+    assert_bf16_close(got, want)
+    assert np.mean(np.abs(want - reference_logprobs(model_dir, None, PROMPT, response))) > 0.05, "the adapter changes the model"

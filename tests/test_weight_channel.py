@@ -347,6 +347,26 @@ def test_silent_peer_times_out_with_a_clear_error() -> None:
         ctx.term()
 
 
+def test_an_adapter_version_carries_its_config_and_a_full_one_none(publisher: WeightPublisher) -> None:
+    """A LoRA version travels like full weights, with its adapter_config.json beside the tensors."""
+    adapter = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.randn(4, 16)),
+               ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", torch.randn(16, 4))]  # fmt: skip
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    publisher.publish(1, adapter, adapter_config=config)
+    fetcher = fetcher_for(publisher)
+    try:
+        got = fetcher.fetch()
+        assert got.adapter_config == config
+        assert_bit_identical(adapter, got.tensors)
+        publisher.publish(2, model_state(2))
+        assert fetcher.fetch(min_version=2).adapter_config is None, "a full-weight version is not an adapter"
+    finally:
+        fetcher.close()
+    with pytest.raises(ValueError, match="not JSON"):
+        publisher.publish(3, adapter, adapter_config={"r": object()})
+    assert publisher.latest_version == 2
+
+
 def test_publish_rejects_bad_input_without_changing_state(publisher: WeightPublisher) -> None:
     with pytest.raises(ValueError, match="dtype complex64"):
         publisher.publish(1, [("x", torch.zeros(3, dtype=torch.complex64))])
@@ -374,6 +394,9 @@ def test_manifest_validation_rejects_inconsistent_layouts() -> None:
     with pytest.raises(ProtocolError, match="not a uint64"):
         decode(encode(WeightManifest(**{**good, "chunk_checksums": [-1]}, tensors=[])))
     decode(encode(WeightManifest(**{**good, "chunk_checksums": [(1 << 64) - 1]}, tensors=[])))  # full range
+    for config in ("[1, 2]", "{not json", "x" * (70 << 10)):
+        with pytest.raises(ProtocolError, match="adapter_config"):
+            decode(encode(WeightManifest(**good, tensors=[], adapter_config=config)))
 
 
 def test_manifest_with_another_checksum_algorithm_is_refused() -> None:

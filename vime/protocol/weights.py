@@ -49,6 +49,7 @@ TENSOR_ALIGN = 64
 MAX_TOTAL_BYTES = 1 << 40
 MAX_TENSOR_DIMS = 8
 MAX_NAME_CHARS = 1024
+MAX_ADAPTER_CONFIG_BYTES = 64 << 10
 # fetch_id is chosen by the fetcher; 63 bits keep it a positive int64 for every msgpack reader.
 MAX_FETCH_ID = (1 << 63) - 1
 
@@ -133,10 +134,14 @@ class WeightManifest(Message, tag="weight_manifest"):
     tensors: list[TensorSpec]
     checksum: str  # the algorithm of chunk_checksums; must be CHECKSUM_ALGORITHM
     chunk_checksums: list[int]
+    # A LoRA adapter version: its adapter_config.json (text); the tensors are the adapter's, in peft's
+    # names. None: full weights.
+    adapter_config: str | None = None
 
     def validate(self) -> None:
         require(_valid_fetch_id(self.fetch_id), f"fetch_id {self.fetch_id} out of range")
         require(self.version >= 0, f"version must be >= 0, got {self.version}")
+        _validate_adapter_config(self.adapter_config)
         require(
             MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES,
             f"chunk_bytes {self.chunk_bytes} outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]",
@@ -158,6 +163,17 @@ class WeightManifest(Message, tag="weight_manifest"):
         ranges = sorted((s.offset, s.offset + s.nbytes, s.name) for s in self.tensors if s.nbytes)
         for (_, end, name), (start, _, next_name) in zip(ranges, ranges[1:]):
             require(start >= end, f"tensors {name!r} and {next_name!r} overlap")
+
+
+def _validate_adapter_config(config: str | None) -> None:
+    if config is None:
+        return
+    require(len(config) <= MAX_ADAPTER_CONFIG_BYTES, f"adapter_config of {len(config)} chars")
+    try:
+        parsed = msgspec.json.decode(config)
+    except msgspec.DecodeError as exc:
+        parsed = exc
+    require(isinstance(parsed, dict), "adapter_config is not a JSON object")
 
 
 def _validate_tensors(specs: list[TensorSpec], total_bytes: int) -> None:
@@ -277,10 +293,12 @@ class WeightIpcManifest(Message, tag="weight_ipc_manifest"):
     total_bytes: int
     tensors: list[TensorSpec]
     buffer: CudaIpcHandle
+    adapter_config: str | None = None  # as in WeightManifest
 
     def validate(self) -> None:
         require(_valid_fetch_id(self.fetch_id), f"fetch_id {self.fetch_id} out of range")
         require(self.version >= 0, f"version must be >= 0, got {self.version}")
+        _validate_adapter_config(self.adapter_config)
         require(0 <= self.total_bytes <= MAX_TOTAL_BYTES, f"total_bytes {self.total_bytes} out of range")
         require(self.buffer.storage_bytes >= self.total_bytes, "the shared buffer is smaller than the snapshot")
         self.buffer.validate()

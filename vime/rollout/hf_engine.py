@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from vime.logging import get_logger
+from vime.rollout.adapter_merge import AdapterMergeError, AdapterMerger
 from vime.rollout.base import (
     FinishReason,
     GeneratedSample,
@@ -162,6 +163,7 @@ class HfRolloutEngine(RolloutEngine):
         self._device: Any = None
         # Held for every model step and for the in-place weight copy: updates land between steps.
         self._model_lock = threading.Lock()
+        self._adapters = AdapterMerger()  # base values of the weights LoRA versions adapt
         # The pause gate: a step starts only with the lock held and `_paused` false.
         self._step_gate = threading.Condition(self._model_lock)
         self._paused = False
@@ -487,6 +489,8 @@ class HfRolloutEngine(RolloutEngine):
 
         model = self._running()
         targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
+        if getattr(fetched, "adapter_config", None) is not None:
+            return self._load_adapter(fetched, targets)
         tensors = fuse_expert_weights(list(fetched.tensors), targets)
         for name, tensor in tensors:  # validate everything before touching anything
             if name not in targets:
@@ -505,6 +509,24 @@ class HfRolloutEngine(RolloutEngine):
         with self._model_lock, torch.no_grad():
             copy_start = time.perf_counter()
             for name, tensor in tensors:
+                targets[name].copy_(tensor.to(targets[name].device))
+            self._version = int(fetched.version)
+            copy_s = time.perf_counter() - copy_start
+        return copy_start - wait_start, copy_s
+
+    def _load_adapter(self, fetched: Any, targets: dict[str, Any]) -> tuple[float, float]:
+        """A LoRA adapter version: merged into the adapted weights from their base values
+        (`adapter_merge`); the rest of the model is the base loaded at start."""
+        import torch
+
+        try:
+            merged = self._adapters.merged(targets, fetched.tensors, fetched.adapter_config)
+        except AdapterMergeError as exc:
+            raise WeightUpdateError(f"adapter version {fetched.version}: {exc}") from exc
+        wait_start = time.perf_counter()
+        with self._model_lock, torch.no_grad():
+            copy_start = time.perf_counter()
+            for name, tensor in merged:
                 targets[name].copy_(tensor.to(targets[name].device))
             self._version = int(fetched.version)
             copy_s = time.perf_counter() - copy_start

@@ -200,12 +200,27 @@ class VimeWorkerExtension:
             return None
         return gpu_uuid(device)
 
+    def _vime_adapter_merged(self, fetched: Any) -> list[tuple[str, Any]]:
+        """A LoRA adapter version as a full set of weights: the checkpoint this engine was started from,
+        with the weights the adapter adapts merged (`adapter_merge`). Full, because vLLM's in-place
+        reload re-creates every layer and keeps only what it is given (weights left out come back wrong)."""
+        from vime.rollout.adapter_merge import AdapterMerger, CheckpointWeights
+
+        merger = getattr(self, "_vime_adapters", None)
+        if merger is None:
+            path = self.model_runner.model_config.model  # type: ignore[attr-defined]
+            merger = self._vime_adapters = (AdapterMerger(), CheckpointWeights(path))
+        merged = dict(merger[0].merged(merger[1], fetched.tensors, fetched.adapter_config))
+        checkpoint = merger[1]
+        return [(name, merged[name] if name in merged else checkpoint[name]) for name in checkpoint]
+
     def _vime_reload(self, fetched: Any) -> dict[str, Any]:
         start = time.perf_counter()
+        tensors = fetched.tensors if fetched.adapter_config is None else self._vime_adapter_merged(fetched)
         # reload_weights runs the model's load_weights (HF names, fused-projection stacking, dtype
         # casts) and re-applies the kernel post-processing, in place.
         runner = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_iterator=iter(fetched.tensors))
+        runner.reload_weights(weights_iterator=iter(tensors))
         refreshed = refresh_tied_embeddings(runner.get_model())
         load_s = time.perf_counter() - start
         log.info(

@@ -61,7 +61,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -133,6 +135,9 @@ class FetchedWeights:
     seconds: float
     transport: str = "chunks"
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    # A LoRA adapter version: its adapter_config.json as a dict (the tensors are the adapter's, in
+    # peft's names); None for full weights.
+    adapter_config: dict[str, Any] | None = None
 
     def release(self) -> None:
         """Drop the tensors; for cuda_ipc, tell the publisher its GPU copy may be reused. Idempotent."""
@@ -225,7 +230,9 @@ class WeightFetcher:
                 seconds=round(seconds, 4),
                 endpoint=self._endpoint,
             )
-            return FetchedWeights(manifest.version, tensors, manifest.total_bytes, seconds)
+            return FetchedWeights(
+                manifest.version, tensors, manifest.total_bytes, seconds, adapter_config=_adapter_config(manifest.adapter_config),
+            )  # fmt: skip
         raise WeightFetchError(
             f"publisher at {self._endpoint} replaced versions {MAX_RESTARTS + 1} times during one fetch; "
             "it publishes faster than this fetcher can pull (raise the publisher's `keep`)"
@@ -280,7 +287,9 @@ class WeightFetcher:
         log.info("weights mapped", version=manifest.version, nbytes=manifest.total_bytes, seconds=round(seconds, 4),
                  endpoint=self._endpoint)  # fmt: skip
         tensors = _tensors_from(buffer, manifest.tensors)
-        return FetchedWeights(manifest.version, tensors, manifest.total_bytes, seconds, "cuda_ipc", release)
+        return FetchedWeights(
+            manifest.version, tensors, manifest.total_bytes, seconds, "cuda_ipc", release, _adapter_config(manifest.adapter_config),
+        )  # fmt: skip
 
     def _manifest(self, fetch_id: int, min_version: int) -> WeightManifest:
         """Ask for the latest manifest until one >= min_version exists or timeout_s has passed."""
@@ -458,6 +467,11 @@ class WeightFetcher:
                 f"publisher at {self._endpoint} refused {what}: {reply.code}: {reply.detail}"
             )
         return WeightFetchError(f"publisher at {self._endpoint} answered {type(reply).__name__} to {what}")
+
+
+def _adapter_config(text: str | None) -> dict[str, Any] | None:
+    """The manifest's adapter config (validated as a JSON object when the manifest was decoded)."""
+    return None if text is None else msgspec.json.decode(text)
 
 
 def _tensors_from(base: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

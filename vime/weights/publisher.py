@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -58,6 +59,7 @@ from vime.protocol.weights import (
     CHECKSUM_ALGORITHM,
     CudaIpcHandle,
     DEFAULT_CHUNK_BYTES,
+    MAX_ADAPTER_CONFIG_BYTES,
     ERROR_BAD_REQUEST,
     ERROR_INTERNAL,
     ERROR_NOT_LOCAL,
@@ -149,6 +151,7 @@ class _Snapshot:
     # Trackers of zero-copy chunk sends from `buffer` (appended by the server thread under the
     # publisher's lock). The buffer may be rewritten only when all are done.
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    adapter_config: str | None = None  # a LoRA adapter version's adapter_config.json
 
     def sending(self) -> bool:
         """Whether libzmq still holds chunk frames that point into `buffer`."""
@@ -164,18 +167,29 @@ class _Snapshot:
             tensors=self.tensors,
             checksum=CHECKSUM_ALGORITHM,
             chunk_checksums=self.chunk_checksums,
+            adapter_config=self.adapter_config,
         )
 
     def ipc_manifest(self, fetch_id: int) -> WeightIpcManifest:
         assert self.gpu_handle is not None
         return WeightIpcManifest(
             fetch_id=fetch_id, version=self.version, total_bytes=int(self.buffer.size), tensors=self.tensors,
-            buffer=self.gpu_handle,
+            buffer=self.gpu_handle, adapter_config=self.adapter_config,
         )  # fmt: skip
 
     def chunk(self, index: int) -> np.ndarray:
         start, end = chunk_span(index, int(self.buffer.size), self.chunk_bytes)
         return self.buffer[start:end]
+
+
+def _adapter_config_text(config: dict[str, Any]) -> str:
+    try:
+        text = msgspec.json.encode(config).decode()
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(f"adapter_config is not JSON: {exc}") from None
+    if len(text) > MAX_ADAPTER_CONFIG_BYTES:
+        raise ValueError(f"adapter_config of {len(text)} chars, at most {MAX_ADAPTER_CONFIG_BYTES}")
+    return text
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -284,12 +298,16 @@ class WeightPublisher:
         """How many fetchers reported (WeightFetchDone) that they hold `version`."""
         return self._completed.get(version, 0)
 
-    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishStats:
+    def publish(
+        self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, adapter_config: dict[str, Any] | None = None,
+    ) -> PublishStats:  # fmt: skip
         """Snapshot `tensors` as `version` and make it the one fetchers get.
 
         Copies every tensor (CPU or CUDA, any dtype in WEIGHT_DTYPES) into one host buffer, so the
-        caller may modify or free its tensors as soon as this returns. Raises ValueError, changing
-        nothing, if `version` is not greater than the latest or a tensor is unusable.
+        caller may modify or free its tensors as soon as this returns. `adapter_config` (peft's
+        adapter_config.json as a dict) marks the version as a LoRA adapter: `tensors` are the adapter's
+        and fetchers load them on top of the base they hold. Raises ValueError, changing nothing, if
+        `version` is not greater than the latest or a tensor or the adapter config is unusable.
         """
         start = time.perf_counter()
         with self._publish_lock:
@@ -301,6 +319,7 @@ class WeightPublisher:
                 raise ValueError(f"versions must increase: latest is {self._latest}, got {version}")
             items = list(tensors)  # references only; we need sizes before allocating
             specs = self._layout(items)
+            config_text = None if adapter_config is None else _adapter_config_text(adapter_config)
             total = _align(max((s.offset + s.nbytes for s in specs), default=0))
 
             # Make room first, so the host never holds more than `keep` snapshots at once. Once a
@@ -335,7 +354,9 @@ class WeightPublisher:
             ]
             checksum_seconds = time.perf_counter() - checksum_start
 
-            snapshot = _Snapshot(version, buffer, self._chunk_bytes, specs, checksums, gpu_buffer, gpu_handle)
+            snapshot = _Snapshot(
+                version, buffer, self._chunk_bytes, specs, checksums, gpu_buffer, gpu_handle, adapter_config=config_text,
+            )  # fmt: skip
             with self._lock:
                 self._snapshots[version] = snapshot
                 self._latest = version

@@ -206,12 +206,19 @@ def publish_weights(trainer: PolicyTrainer, publisher: WeightPublisher | None, v
     """All ranks export (sharded models gather); rank 0 publishes. Returns the publish's times on rank 0
     (zeros elsewhere)."""
     started = time.perf_counter()
-    # A publisher that shares a GPU copy (CUDA IPC) takes the tensors where they are: no host round trip.
-    tensors = list(trainer.export_weights(dtype=dtype, on_device=publisher is not None and publisher.cuda_ipc))
+    config = None
+    if getattr(trainer, "lora", None) is not None:
+        # LoRA: only the adapter travels; engines merge or load it over the base they started from.
+        adapter = trainer.export_adapter(dtype=dtype)  # type: ignore[attr-defined]
+        tensors = [] if adapter is None else list(adapter.tensors.items())
+        config = None if adapter is None else adapter.config
+    else:
+        # A publisher that shares a GPU copy (CUDA IPC) takes the tensors where they are: no host round trip.
+        tensors = list(trainer.export_weights(dtype=dtype, on_device=publisher is not None and publisher.cuda_ipc))
     if publisher is None:
         return PublishTimes()
     exported = time.perf_counter()
-    stats = publisher.publish(version, tensors)
+    stats = publisher.publish(version, tensors, adapter_config=config)
     return PublishTimes(nbytes=int(stats.nbytes), seconds=time.perf_counter() - started, export_s=exported - started,
                         copy_s=stats.copy_seconds, checksum_s=stats.checksum_seconds)  # fmt: skip
 
