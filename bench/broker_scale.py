@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import heapq
 import json
 import os
@@ -711,6 +712,7 @@ def group_bytes(shape_name: str) -> int:
     return sum(memoryview(f).nbytes for f in _generated_frames(shape_name))
 
 
+@functools.cache
 def group_decoded_bytes(shape_name: str, copies: int = 200) -> int:
     """Bytes one generated group holds once the broker has decoded it (its Python objects and the
     received frames its arrays view), measured with tracemalloc over `copies` groups."""

@@ -96,7 +96,8 @@ class AdapterMerger:
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """The weights of an HF checkpoint directory by name, read from its safetensors files on access
-    (for an engine whose loaded parameters are repacked and no longer hold the HF tensors)."""
+    (for an engine whose loaded parameters are repacked and no longer hold the HF tensors). Each file
+    is opened once (memory-mapped) and kept open."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = os.fspath(path)
@@ -113,12 +114,16 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
                 raise AdapterMergeError(f"no safetensors weights in {path} to merge adapters into")
             with safe_open(single, "pt") as f:
                 self._file_of = dict.fromkeys(f.keys(), single)
+        self._open: dict[str, Any] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self._file_of[name], "pt") as f:
-            return f.get_tensor(name)
+        file = self._file_of[name]
+        handle = self._open.get(file)
+        if handle is None:
+            handle = self._open[file] = safe_open(file, "pt")
+        return handle.get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)

@@ -485,11 +485,9 @@ class HfRolloutEngine(RolloutEngine):
 
     def _load_fetched(self, fetched: Any) -> tuple[float, float]:
         """Copy fetched tensors into the model in place; returns (lock wait s, copy s)."""
-        import torch
-
         model = self._running()
         targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
-        if getattr(fetched, "adapter_config", None) is not None:
+        if fetched.adapter_config is not None:
             return self._load_adapter(fetched, targets)
         tensors = fuse_expert_weights(list(fetched.tensors), targets)
         for name, tensor in tensors:  # validate everything before touching anything
@@ -505,32 +503,30 @@ class HfRolloutEngine(RolloutEngine):
         if missing:
             log.warning("fetched weights do not cover the model; keeping old values", missing=sorted(missing)[:8],
                         num_missing=len(missing))
+        return self._copy_in(targets, tensors, int(fetched.version))
+
+    def _copy_in(self, targets: dict[str, Any], tensors: list[tuple[str, Any]], version: int) -> tuple[float, float]:
+        """Copy checked tensors into the model under the model lock and take `version`; returns (lock
+        wait s, copy s)."""
+        import torch
+
         wait_start = time.perf_counter()
         with self._model_lock, torch.no_grad():
             copy_start = time.perf_counter()
             for name, tensor in tensors:
                 targets[name].copy_(tensor.to(targets[name].device))
-            self._version = int(fetched.version)
+            self._version = version
             copy_s = time.perf_counter() - copy_start
         return copy_start - wait_start, copy_s
 
     def _load_adapter(self, fetched: Any, targets: dict[str, Any]) -> tuple[float, float]:
         """A LoRA adapter version: merged into the adapted weights from their base values
         (`adapter_merge`); the rest of the model is the base loaded at start."""
-        import torch
-
         try:
             merged = self._adapters.merged(targets, fetched.tensors, fetched.adapter_config)
         except AdapterMergeError as exc:
             raise WeightUpdateError(f"adapter version {fetched.version}: {exc}") from exc
-        wait_start = time.perf_counter()
-        with self._model_lock, torch.no_grad():
-            copy_start = time.perf_counter()
-            for name, tensor in merged:
-                targets[name].copy_(tensor.to(targets[name].device))
-            self._version = int(fetched.version)
-            copy_s = time.perf_counter() - copy_start
-        return copy_start - wait_start, copy_s
+        return self._copy_in(targets, merged, int(fetched.version))
 
     def _running(self) -> Any:
         if self._model is None:

@@ -206,12 +206,11 @@ class VimeWorkerExtension:
         reload re-creates every layer and keeps only what it is given (weights left out come back wrong)."""
         from vime.rollout.adapter_merge import AdapterMerger, CheckpointWeights
 
-        merger = getattr(self, "_vime_adapters", None)
-        if merger is None:
-            path = self.model_runner.model_config.model  # type: ignore[attr-defined]
-            merger = self._vime_adapters = (AdapterMerger(), CheckpointWeights(path))
-        merged = dict(merger[0].merged(merger[1], fetched.tensors, fetched.adapter_config))
-        checkpoint = merger[1]
+        if getattr(self, "_vime_adapters", None) is None:
+            self._vime_adapters = AdapterMerger()
+            self._vime_checkpoint = CheckpointWeights(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+        checkpoint = self._vime_checkpoint
+        merged = dict(self._vime_adapters.merged(checkpoint, fetched.tensors, fetched.adapter_config))
         return [(name, merged[name] if name in merged else checkpoint[name]) for name in checkpoint]
 
     def _vime_reload(self, fetched: Any) -> dict[str, Any]:
