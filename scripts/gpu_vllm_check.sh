@@ -9,6 +9,10 @@
 #   bash scripts/gpu_vllm_check.sh transport  # weight update by transport (chunks, CUDA IPC) and sleep/wake
 #   bash scripts/gpu_vllm_check.sh r3         # vime bench r3 through vLLM's routed experts, deeper MoE
 #   bash scripts/gpu_vllm_check.sh multiturn  # the agent tests (multi-turn R3 through vLLM) and the multi-turn demo
+#   bash scripts/gpu_vllm_check.sh lora-train # the trainer with and without a LoRA adapter at 1.7B and 4B (VIME_GPU_LORA_SIZES)
+# VIME_GPU_RUN_ARGS adds flags to every `vime run` of pipeline and sizes (e.g. "--lora-rank 16 --lr 2e-3");
+# the pipeline's `lora` layout is the torch layout with --lora-rank 16 (VIME_GPU_LORA_LR, default 2e-3).
+# LoRA needs peft and accelerate: wheels in .vllm-cuda/lora (carry it) are installed into /tmp/vllm-site.
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 # To clear the GPU between calls, kill its compute processes by pid (nvidia-smi --query-compute-apps=pid):
 # `pkill -f vime` would also match the calling shell, whose command line names this checkout.
@@ -26,6 +30,10 @@ sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, torch, transformers, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__)' || exit 1
 status=0
+if [ -d .vllm-cuda/lora ] && ! python3 -c 'import peft' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-site .vllm-cuda/lora/*.whl || status=1
+fi
+run_args=(${VIME_GPU_RUN_ARGS:-})
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 learned() {  # mean raw reward of the first and last 5 steps of a run's metrics.jsonl
   python3 - "$1" <<'PY'
@@ -58,12 +66,13 @@ for part in "${@:-tests}"; do
         megatron) extra=(--train-backend megatron --make-demo-model) ;;
         colocate) extra=(--train-backend torch --make-demo-model --colocate) ;;
         megatron-colocate) extra=(--train-backend megatron --make-demo-model --colocate) ;;
+        lora) extra=(--train-backend torch --make-demo-model --lora-rank 16 --lr "${VIME_GPU_LORA_LR:-2e-3}") ;;
         *) echo "unknown layout $layout"; status=2; continue ;;
       esac
       timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
         --num-rollout "${VIME_GPU_STEPS:-300}" --run-dir "$run" --hf-checkpoint /tmp/vime-gpu-demo-model \
         --vllm-gpu-memory-utilization 0.3 --no-progress --broker-address "tcp://127.0.0.1:$(free_port)" \
-        --min-reward-gain "${VIME_GPU_MIN_GAIN:-0.3}" "${extra[@]}" 2>&1 | tail -n 25 | tee "$out/pipeline_$layout.log" || status=1
+        --min-reward-gain "${VIME_GPU_MIN_GAIN:-0.3}" "${extra[@]}" "${run_args[@]}" 2>&1 | tail -n 25 | tee "$out/pipeline_$layout.log" || status=1
       learned "$run/metrics.jsonl" | tee -a "$out/pipeline.jsonl" || status=1
       cp "$run/metrics.jsonl" "$out/pipeline_${layout}_metrics.jsonl" 2>/dev/null || true
       cp "$run/logs/rollout-0.log" "$out/pipeline_${layout}_rollout.log" 2>/dev/null || true
@@ -83,7 +92,7 @@ for part in "${@:-tests}"; do
       timeout 560 python3 bench/step_breakdown.py --num-rollout "${VIME_GPU_SIZE_STEPS:-6}" --json --port "$(free_port)" \
         --modes "${VIME_GPU_SIZE_MODES:-async,sync}" --out "/tmp/vime-gpu-size-$size" -- --hf-checkpoint "$model" --no-make-demo-model --rollout-engine vllm \
         --rollout-max-response-len 1024 --micro-batch-size 4 --vllm-max-model-len 1152 \
-        --vllm-gpu-memory-utilization 0.35 --no-progress "${memory[@]}" > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
+        --vllm-gpu-memory-utilization 0.35 --no-progress "${memory[@]}" "${run_args[@]}" > "$out/sizes_$size.json" 2> "$out/sizes_$size.log" || status=1
       cat "$out/sizes_$size.json"
     done
     ;;
@@ -121,7 +130,20 @@ for part in "${@:-tests}"; do
     learned "$run/metrics.jsonl" | tee -a "$out/multiturn.jsonl" || status=1
     cp "$run/metrics.jsonl" "$out/multiturn_metrics.jsonl" 2>/dev/null || true
     ;;
-  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport, r3, multiturn)"; status=2 ;;
+  lora-train)
+    # One trainer step at real Qwen3 shapes, every weight trained against a rank-16 adapter (eager, the
+    # chunked head, 16 x (512 + up to 2048) tokens): step time, tokens/s, peak memory, and what one weight
+    # update exports (the adapter alone under LoRA).
+    timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.bench.train_speed --sizes "${VIME_GPU_LORA_SIZES:-1.7b,4b}" --heads chunked \
+      --max-tokens-per-micro-batch 8192 --lora-ranks 0,16 --out "$out/lora_train.jsonl" > "$out/lora_train.log" 2>&1 || status=1
+    grep '^{"size"' "$out/lora_train.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    keys = ("size", "lora_rank", "step_s", "tokens_per_s", "mfu", "peak_memory_gib", "update_export_s", "update_bytes", "error")
+    print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})'
+    ;;
+  *) echo "unknown part: $part (tests, pipeline, sizes, bench, transport, r3, multiturn, lora-train)"; status=2 ;;
   esac
 done
 exit "$status"

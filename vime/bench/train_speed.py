@@ -7,7 +7,8 @@ or full-vocabulary logits), compile, packing and optimizer setting, one `train_s
 backward + AdamW) of an RL-like batch of random tokens: `--samples` sequences of `--prompt` prompt
 tokens and response lengths spread evenly between half of `--response` and all of it. Prints one JSON
 line per run: median step seconds, tokens/s, model TFLOP/s and MFU (`vime.bench.flops`, against
-`--peak-tflops`; recompute not counted), peak GPU memory and peak memory per token. `--check-pack` also
+`--peak-tflops`; recompute not counted), peak GPU memory and peak memory per token, and what one weight
+update exports (seconds, bytes: the adapter alone with `--lora-ranks`). `--check-pack` also
 prints, per size, how far packed logprobs (flash varlen attention) are from padded ones (SDPA) in the
 same bf16 model, beside how far bf16 is from float32; `--profile-dir` writes the top kernels of one
 more step of each run.
@@ -16,6 +17,7 @@ more step of each run.
     python -m vime.bench.train_speed --sizes 1.7b --heads chunked --compile off,on --pack off,on --check-pack
     python -m vime.bench.train_speed --sizes 1.7b --backends torch,megatron --compile on
     python -m vime.bench.train_speed --sizes 30b-a3b --layers 4 --compile on
+    python -m vime.bench.train_speed --sizes 1.7b,4b --heads chunked --compile on --lora-ranks 0,16
 
 A run that runs out of memory prints its error line and the rest go on. Megatron runs need the
 megatron-core package and one CUDA GPU (a one-rank NCCL group is set up here).
@@ -67,7 +69,7 @@ def _trainer(backend: str, model: Path, setting: dict[str, Any], args: argparse.
     return TorchTrainer(TorchTrainerConfig(
         **common, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
         pack_sequences="on" if setting["packed"] else "off", share_prompts=setting["shared_prompts"],
-        optimizer_implementation=setting["optimizer"],
+        optimizer_implementation=setting["optimizer"], lora_rank=setting["lora_rank"] or None,
     ))  # fmt: skip
 
 
@@ -104,6 +106,7 @@ def measure(backend: str, model: Path, setting: dict[str, Any], batch: RolloutBa
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
+        update = _update_cost(trainer, cuda)
         if args.profile_dir and cuda:
             name = "_".join(f"{k}-{v}" for k, v in setting.items())
             top_kernels = _profile(trainer, batch, Path(args.profile_dir) / f"profile_{model.name}_{backend}_{name}.txt")
@@ -119,10 +122,26 @@ def measure(backend: str, model: Path, setting: dict[str, Any], batch: RolloutBa
     row = {"backend": backend, **setting, "first_step_s": first_step, "step_s": step, "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "tflops": flops / step / 1e12,
            "mfu": flops / step / (args.peak_tflops * 1e12), "peak_memory_gib": peak / 2**30,
-           "peak_memory_mib_per_token": peak / 2**20 / tokens}  # fmt: skip
+           "peak_memory_mib_per_token": peak / 2**20 / tokens, **update}  # fmt: skip
     if top_kernels is not None:
         row["top_kernels"] = top_kernels
     return row
+
+
+def _update_cost(trainer: Any, cuda: bool) -> dict[str, Any]:
+    """What one weight update exports on the trainer (bf16, to host memory, as `publish_weights` does
+    before it copies into the channel): the adapter alone under LoRA, every weight otherwise."""
+    if not isinstance(trainer, TorchTrainer):
+        return {}
+    t0 = time.perf_counter()
+    if trainer.lora is not None:
+        adapter = trainer.export_adapter(dtype=torch.bfloat16)
+        tensors = [] if adapter is None else list(adapter.tensors.values())
+    else:
+        tensors = [tensor for _, tensor in trainer.export_weights(dtype=torch.bfloat16)]
+    if cuda:
+        torch.cuda.synchronize()
+    return {"update_export_s": time.perf_counter() - t0, "update_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
 
 def pack_check(model: Path, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
@@ -151,10 +170,11 @@ def settings(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     packs = args.pack.split(",") if backend == "torch" else ["off"]
     shares = args.share_prompts.split(",") if backend == "torch" else ["off"]
     optimizers = args.optimizer_implementation.split(",") if backend == "torch" else ["megatron"]
+    ranks = [int(r) for r in args.lora_ranks.split(",")] if backend == "torch" else [0]
     return [
-        {"head": h, "compiled": c == "on", "packed": p == "on", "shared_prompts": sp == "on", "optimizer": o}
+        {"head": h, "compiled": c == "on", "packed": p == "on", "shared_prompts": sp == "on", "optimizer": o, "lora_rank": r}
         for h in args.heads.split(",") for c in args.compile.split(",") for p in packs for sp in shares
-        for o in optimizers if not (p == "on" and sp == "on")
+        for o in optimizers for r in ranks if not (p == "on" and sp == "on")
     ]  # fmt: skip
 
 
@@ -170,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                         "prompt copy per row (torch)")
     parser.add_argument("--optimizer-implementation", default="auto",
                         help="AdamW kernels of the torch backend: auto, fused, foreach, for-loop, or a list")
+    parser.add_argument("--lora-ranks", default="0", help="0 (every weight trains), a LoRA rank, or a list such as "
+                        "0,16 (torch; peft's default target modules, alpha 32)")
     parser.add_argument("--check-pack", action="store_true", help="compare packed and padded logprobs per size first")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=512)
