@@ -5,10 +5,10 @@
 #
 # `make install` installs the lock locks/$(EXTRAS).txt: exact versions with hashes, with --no-deps, so
 # the venv holds exactly the lock (and vime, editable) whatever is newest that day:
-#   cpu   - extras cpu,dev; Python 3.11, Linux x86-64, glibc >= 2.31 (make install, make test, make demo)
-#   cuda  - extras cuda,megatron,dev; Python 3.12, Linux x86-64, glibc >= 2.31, CUDA
+#   cpu   - extras cpu,tracking,dev; Python 3.11, Linux x86-64, glibc >= 2.31 (make install, make test, make demo)
+#   cuda  - extras cuda,megatron,tracking,dev; Python 3.12, Linux x86-64, glibc >= 2.31, CUDA
 #           (make install EXTRAS=cuda PYTHON=python3.12)
-#   train - extras train,megatron,dev; Python 3.12, Linux x86-64, glibc >= 2.28: a trainer without vLLM
+#   train - extras train,megatron,tracking,dev; Python 3.12, Linux x86-64, glibc >= 2.28: a trainer without vLLM
 # After changing a dependency in pyproject.toml, refresh the locks with one command:
 #   make lock              # keeps the locked versions that still fit; UPGRADE=1 takes the newest allowed
 # It runs uv 0.13.8 (UV_VERSION) from its own venv (LOCK_TOOL_VENV, .venv-lock) and needs the CPU torch
@@ -25,9 +25,9 @@ LOCK := locks/$(EXTRAS).txt
 
 # What each lock holds, the Python it is for, and the oldest glibc (manylinux) whose wheels it takes:
 # vLLM needs llguidance 1.7, whose wheels are manylinux_2_31.
-LOCK_EXTRAS_cpu := cpu,dev
-LOCK_EXTRAS_cuda := cuda,megatron,dev
-LOCK_EXTRAS_train := train,megatron,dev
+LOCK_EXTRAS_cpu := cpu,tracking,dev
+LOCK_EXTRAS_cuda := cuda,megatron,tracking,dev
+LOCK_EXTRAS_train := train,megatron,tracking,dev
 LOCK_PYTHON_cpu := 3.11
 LOCK_PYTHON_cuda := 3.12
 LOCK_PYTHON_train := 3.12

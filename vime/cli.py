@@ -59,23 +59,32 @@ def _cmd_status(argv: list[str]) -> int:
     print(f"weight version {status['weight_version']}  step {status['step']}  finished {status['finished']}")
     print("queues  " + "  ".join(f"{k}={v}" for k, v in status["queues"].items()))
     print("counters " + "  ".join(f"{k}={v}" for k, v in status["counters"].items()))
+    print(f"metrics  {status.get('metrics_url') or '-'}")  # .get: an older broker's status has none
     for w in status["workers"]:
-        print(f"  {w['role']:8s} {w['worker_id']:24s} version={w['weight_version']} leased={w['leased']} credits={w['credits']}")
+        print(f"  {w['role']:8s} {w['worker_id']:24s} version={w['weight_version']} leased={w['leased']} credits={w['credits']}"
+              f" metrics={w.get('metrics_url') or '-'}")  # fmt: skip
     return 0
 
 
 def _cmd_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime report", description="summarise and plot a run directory")
+    parser = argparse.ArgumentParser(
+        prog="vime report", description="render a run directory (finished, in progress or resumed) as a one-page report: "
+        "a multi-panel PNG and an HTML page embedding it with the numbers (docs/observability.md)",
+    )  # fmt: skip
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="the PNG to write (default RUN_DIR/report.png; the HTML goes beside it)")
+    parser.add_argument("--no-html", action="store_true", help="write only the PNG")
     args = parser.parse_args(argv)
-    from vime.metrics import plot_metrics, read_metrics, summarize
+    from vime.report import ReportError, render
 
-    metrics = args.run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        print(f"vime report: {metrics} does not exist", file=sys.stderr)
+    try:
+        report = render(args.run_dir, args.out, html=not args.no_html)
+    except ReportError as exc:
+        print(f"vime report: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summarize(read_metrics(metrics)), indent=1))
-    print(f"plot: {plot_metrics(metrics, args.run_dir / 'reward_curve.png')}")
+    for panel in report.panels.values():
+        print(f"  {panel.title}" if panel.has_data else f"  {panel.name}: NO DATA ({panel.note.splitlines()[0]})")
+    print(f"report: {report.png}" + (f"  {report.html}" if report.html else ""))
     return 0
 
 

@@ -321,6 +321,30 @@ class VimeConfig(BaseModel):
         120.0, gt=0.0, description="a restarted process that lives this long has recovered: its failed-restart count resets",
     )  # fmt: skip
 
+    # --- experiment tracking (slime's flags; vime/tracking.py, docs/observability.md) -------------
+    # Trainer rank 0 sends every metrics.jsonl line to the trackers; both need `pip install 'vime[tracking]'`.
+    # No --wandb-key: a key in the config would land in RUN_DIR/config.yaml; W&B reads WANDB_API_KEY.
+    use_wandb: bool = Field(False, description="log every metric line and the config to Weights & Biases")
+    wandb_project: str | None = Field(None, description="W&B project (default: W&B's, e.g. WANDB_PROJECT)")
+    wandb_team: str | None = Field(None, description="W&B entity (team or user) that owns the project")
+    wandb_group: str | None = Field(None, description="W&B run group, e.g. one per experiment of several runs")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode: online, offline (a local run to `wandb sync` later) or disabled (default: "
+        "WANDB_MODE, else online)",
+    )  # fmt: skip
+    wandb_dir: Path | None = Field(None, description="where W&B writes its local files (default: RUN_DIR)")
+    wandb_run_id: str | None = Field(
+        None, description="W&B run id to log into (resumed if it exists); default: a new id, kept in "
+        "RUN_DIR/wandb_run_id so a resumed or restarted trainer continues the same run",
+    )  # fmt: skip
+    use_tensorboard: bool = Field(False, description="log every metric line and the config as TensorBoard events")
+    tb_project_name: str | None = Field(
+        None, description="TensorBoard log directory (default: RUN_DIR/tensorboard)"
+    )
+    tb_experiment_name: str | None = Field(
+        None, description="subdirectory of tb_project_name for this run (default: none, the directory itself)"
+    )
+
     # --- network ---------------------------------------------------------------------------------
     broker_address: str = Field("tcp://127.0.0.1:5555", description="where workers reach the broker")
     broker_bind: str | None = Field(None, description="what the broker binds (default: broker_address)")
@@ -331,6 +355,18 @@ class VimeConfig(BaseModel):
     )  # fmt: skip
     heartbeat_interval_s: float = Field(2.0, gt=0.0)
     worker_timeout_s: float = Field(60.0, gt=0.0, description="silence after which a worker's work is re-leased")
+
+    # --- Prometheus /metrics (vime/prometheus.py, docs/observability.md) ---------------------------
+    metrics: bool = Field(True, description="serve Prometheus /metrics on the broker and on every rollout and reward worker")
+    metrics_host: str = Field(
+        "127.0.0.1", description="address the /metrics endpoints listen on (0.0.0.0: every interface, for a "
+        "Prometheus on another machine; unauthenticated, logged as a warning)",
+    )  # fmt: skip
+    metrics_port: int = Field(0, ge=0, le=65535, description="the broker's /metrics port (0: a free one; `vime status` shows it)")
+    worker_metrics_port: int = Field(
+        0, ge=0, le=65535, description="each worker's /metrics port (0: a free one per worker, as many workers "
+        "on one machine need; `vime status` lists them)",
+    )  # fmt: skip
 
     # --- security (vime/security.py, docs/reliability.md) -----------------------------------------
     curve_keys_dir: Path | None = Field(
@@ -357,6 +393,14 @@ class VimeConfig(BaseModel):
             if scheme not in ("http", "https") or not sep or not rest.split("/")[0]:
                 raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH")
         return urls
+
+    @field_validator("wandb_run_id")
+    @classmethod
+    def _check_wandb_run_id(cls, value: str | None) -> str | None:
+        """W&B puts the id in URLs and file names: letters, digits, '-' and '_' only."""
+        if value is not None and (not value or not all(c.isascii() and (c.isalnum() or c in "-_") for c in value)):
+            raise ValueError(f"W&B run id {value!r} must be letters, digits, '-' or '_'")
+        return value
 
     @field_validator("eval_prompt_data", mode="before")
     @classmethod

@@ -1,14 +1,16 @@
 """`vime run CONFIG`: the one-machine launcher (the embedded default).
 
 Starts the broker, rollout workers, reward workers and trainer ranks as separate child processes, each
-with its own log file under RUN_DIR/logs, all reading the same resolved config (RUN_DIR/config.yaml).
-It shows a progress bar from RUN_DIR/metrics.jsonl; `vime.supervisor` restarts a child that dies. It
+with its own log file under RUN_DIR/logs, all reading the same resolved config (RUN_DIR/config.yaml);
+its own events go to RUN_DIR/logs/launcher.log. It shows progress from RUN_DIR/metrics.jsonl (one
+tqdm line on a terminal, JSON log lines elsewhere); `vime.supervisor` restarts a child that dies. It
 stops every child cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C, when the trainer
 finishes, or when the supervisor gives up on a child, naming it and showing the end of its log.
 """
 
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -19,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
 from tqdm import tqdm
+from tqdm.contrib import DummyTqdmFile
 
 from vime.config import VimeConfig
 from vime.logging import get_logger
@@ -135,13 +139,23 @@ class ConsoleEcho:
 
 
 class ProgressView:
-    """A tqdm bar fed by the trainer's metrics.jsonl (step, reward, staleness, logprob diff)."""
+    """Progress fed by the trainer's metrics.jsonl (step, reward, staleness, logprob diff): a tqdm bar,
+    one line, on a terminal; elsewhere (a pipe, a file, SLURM's log) a JSON `progress` log line every
+    tenth of the job, since a bar's carriage returns would fill a file with partial lines."""
 
-    def __init__(self, metrics_path: Path, total: int, enabled: bool) -> None:
+    def __init__(self, metrics_path: Path, total: int, enabled: bool, terminal: bool | None = None) -> None:
         self.metrics = NewLines(metrics_path)
         self.records: list[dict[str, Any]] = []
         self.steps: set[Any] = set()
-        self.bar = tqdm(total=total, desc="vime", unit="step", disable=not enabled, dynamic_ncols=True)
+        self.total = total
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.log_every = max(1, total // 10)
+        self.bar = tqdm(total=total, desc="vime", unit="step", disable=not (enabled and self.terminal), dynamic_ncols=True)
+        self.log_lines = enabled and not self.terminal
+
+    @property
+    def shows_bar(self) -> bool:
+        return not self.bar.disable
 
     def refresh(self) -> None:
         for line in self.metrics.read():
@@ -152,17 +166,46 @@ class ProgressView:
             if record.get("step") in self.steps:
                 continue  # a step replayed by a restarted trainer
             self.steps.add(record.get("step"))
+            figures = {  # name: (value, decimals)
+                "reward": (record.get("rollout/raw_reward", 0.0), 3),
+                "stale": (record.get("rollout/staleness_mean", 0.0), 2),
+                "lp_diff": (record.get("train/train_rollout_logprob_abs_diff", 0.0), 4),
+                "step_s": (record.get("perf/step_time", 0.0), 2),
+            }
             self.bar.update(1)
-            self.bar.set_postfix(
-                reward=f"{record.get('rollout/raw_reward', 0):.3f}",
-                stale=f"{record.get('rollout/staleness_mean', 0):.2f}",
-                lp_diff=f"{record.get('train/train_rollout_logprob_abs_diff', 0):.4f}",
-                step_s=f"{record.get('perf/step_time', 0):.2f}",
-            )
+            self.bar.set_postfix({name: f"{value:.{digits}f}" for name, (value, digits) in figures.items()})
+            done = len(self.steps)
+            if self.log_lines and (done % self.log_every == 0 or done == self.total):
+                numbers = {name: round(value, digits + 2) for name, (value, digits) in figures.items()}
+                log.info("progress", steps=done, of=self.total, step=record.get("step"), **numbers)
 
     def close(self) -> None:
         self.refresh()
         self.bar.close()
+
+
+class JobLog:
+    """RUN_DIR/logs/launcher.log: the launcher's own events as JSON lines (job started, a child died or
+    was restarted, the job ended), so the run directory keeps them whatever the console showed; `vime
+    report` reads restarts and resumed launches from it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, event: str, level: str = "info", **fields: Any) -> None:
+        record = {**fields, "event": event, "level": level, "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")}
+        try:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record, default=str) + "\n")
+        except OSError as exc:  # a full disk must not stop the job over its event log
+            log.warning("launcher_log_failed", path=str(self.path), error=str(exc))
+
+
+def _log_above_the_bar() -> None:
+    """From now on this process's log lines (its own, the supervisor's) are written above a progress bar,
+    as tqdm.write does, instead of through it. Loggers that already logged keep writing directly, so this
+    runs before the launcher's and the supervisor's first log line."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=DummyTqdmFile(sys.stderr)))
 
 
 # `vime run`'s exit code for a job that ran to the end but whose reward rose less than
@@ -181,7 +224,13 @@ def run_job(
     """
     from vime.security import check_job
 
+    terminal = sys.stderr.isatty()
+    if progress and terminal:
+        _log_above_the_bar()
     check_job(cfg)  # SecurityError (missing keys, plaintext off loopback) before any child starts
+    from vime.tracking import check_installed
+
+    check_installed(cfg)  # TrackerNotInstalled (--use-wandb / --use-tensorboard without the package) likewise
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.make_demo_model:
         from vime.demo.model_factory import make_demo_model
@@ -202,12 +251,19 @@ def run_job(
     _set_aside_unfinished_job(cfg)
 
     children = plan_children(cfg, config_path)
-    view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress)
+    job_log = JobLog(cfg.run_dir / "logs" / "launcher.log")
+    job_log.write("job_started", num_rollout=cfg.num_rollout, load=cfg.load, children=[c.name for c in children], pid=os.getpid())
+    view = ProgressView(metrics_path, cfg.num_rollout, enabled=progress, terminal=terminal)
     echo = ConsoleEcho(children)
+
+    def say(text: str) -> None:
+        tqdm.write(f"vime: {text}", file=sys.stderr)
+        job_log.write("supervisor", level="warning", message=text)
+
     supervisor = Supervisor(
-        children, cfg, say=lambda text: tqdm.write(f"vime: {text}", file=sys.stderr),
-        new_rendezvous_port=free_port, has_checkpoint=lambda: _has_checkpoint(cfg),
+        children, cfg, say=say, new_rendezvous_port=free_port, has_checkpoint=lambda: _has_checkpoint(cfg),
     )  # fmt: skip
+    restarts: dict[str, int] = {}
     stop = {"signal": 0}
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -225,6 +281,7 @@ def run_job(
             echo.refresh()
             if stop["signal"]:
                 log.warning("interrupted", signal=stop["signal"])
+                job_log.write("interrupted", level="warning", signal=stop["signal"])
                 exit_code = 130
                 break
             if trainer0.poll() == 0:
@@ -233,7 +290,9 @@ def run_job(
                 break
             try:
                 supervisor.check(time.monotonic())
+                restarts = _log_restarts(job_log, restarts, supervisor.restarts())
             except JobFailed as failure:
+                job_log.write("child_failed", level="error", name=failure.child.name, code=failure.code, reason=failure.reason)
                 tqdm.write(
                     f"\nvime: {failure.reason}; stopping the job. End of {failure.child.log_path}:\n{failure.child.tail()}\n",
                     file=sys.stderr,
@@ -243,6 +302,7 @@ def run_job(
                 break
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 log.error("job_timeout", seconds=timeout_s)
+                job_log.write("job_timeout", level="error", seconds=timeout_s)
                 exit_code = 124
                 break
     finally:
@@ -255,7 +315,16 @@ def run_job(
     summary = _finish_report(cfg, view.records)
     if exit_code == 0 and min_reward_gain is not None:
         exit_code = _learning_verdict(summary, min_reward_gain)
+    job_log.write("job_ended", exit_code=exit_code, steps=len(view.steps), restarts=supervisor.restarts())
     return exit_code
+
+
+def _log_restarts(job_log: JobLog, before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """One `child_restarted` line per restart the supervisor made since `before`; returns `now`."""
+    for name, count in now.items():
+        if count > before.get(name, 0):
+            job_log.write("child_restarted", level="warning", name=name, restarts=count)
+    return now
 
 
 def _learning_verdict(summary: dict[str, Any] | None, min_reward_gain: float) -> int:

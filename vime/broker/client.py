@@ -74,6 +74,7 @@ class BrokerClient:
         self.job: JobInfo | None = None
         self.rejoin_needed = False
         self.rejoins = 0
+        self.metrics_url: str | None = None  # this worker's Prometheus /metrics, said in every Hello
 
     async def send(self, msg: Message, timeout_s: float | None = None) -> None:
         """Queue `msg` for the broker; BrokerGone if that is impossible for `timeout_s` (default
@@ -123,7 +124,7 @@ class BrokerClient:
             try:
                 await self.send(
                     Hello(role=self.role, worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
-                          weight_version=weight_version, info=info or {}),  # type: ignore[arg-type]
+                          weight_version=weight_version, info=info or {}, metrics_url=self.metrics_url),  # type: ignore[arg-type]
                     timeout_s=max(0.1, min(1.0, deadline - time.monotonic())),
                 )
             except BrokerGone:

@@ -21,9 +21,11 @@ _EDGES_S: tuple[float, ...] = tuple(_FIRST_EDGE_S * 2 ** (k / _PER_DOUBLING) for
 class LatencyHistogram:
     def __init__(self) -> None:
         self.counts = [0] * (len(_EDGES_S) + 1)  # counts[i]: at most _EDGES_S[i]; the last: above them all
+        self.sum_s = 0.0  # Prometheus histograms carry the sum (a window's mean is its two differences' ratio)
 
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(_EDGES_S, seconds)] += 1
+        self.sum_s += seconds
 
     def status(self) -> dict[str, object]:
         """Cumulative counts (for differences over a window) with the bucket edges, and the percentiles
@@ -32,6 +34,7 @@ class LatencyHistogram:
             "edges_ms": [round(e * 1e3, 4) for e in _EDGES_S],
             "counts": list(self.counts),
             "n": sum(self.counts),
+            "sum_s": self.sum_s,
             "p50_ms": percentile_ms(self.counts, 0.50),
             "p99_ms": percentile_ms(self.counts, 0.99),
         }

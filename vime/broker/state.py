@@ -15,7 +15,7 @@ docs/broker.md.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from vime.broker.eval_runs import EvalRuns
 from vime.broker.journal import JournalBuffered, JournalError, JournalFinished, JournalPublished, JournalRecord
 from vime.broker.latency import LatencyHistogram
 from vime.broker.settings import BrokerSettings
+from vime.broker.staleness import StalenessHistogram
 from vime.broker.status import broker_status
 from vime.broker.workers import WorkerInfo, WorkerRegistry
 from vime.data.prompts import PromptCursor
@@ -93,6 +94,9 @@ class BrokerState:
         self.finished = False
         # How long credits wait for a group (fed by the server, which knows when it sent; `latency`).
         self.credit_wait = {"rollout": LatencyHistogram(), "reward": LatencyHistogram()}
+        self.staleness = StalenessHistogram()  # of the groups of each fresh batch
+        self.received: Counter[str] = Counter()  # messages handled, by type (the server counts them)
+        self.metrics_url: str | None = None  # where the broker serves Prometheus /metrics (set by its program)
 
     def _record(self, record: JournalRecord) -> None:
         if self.journal is not None:
@@ -105,8 +109,10 @@ class BrokerState:
         """The registered workers by ZeroMQ identity (`registry.workers`)."""
         return self.registry.workers
 
-    def register(self, identity: bytes, worker_id: str, role: str, now: float, weight_version: int = -1) -> JobInfo:
-        old = self.registry.register(identity, worker_id, role, now, weight_version)
+    def register(
+        self, identity: bytes, worker_id: str, role: str, now: float, weight_version: int = -1, metrics_url: str | None = None
+    ) -> JobInfo:
+        old = self.registry.register(identity, worker_id, role, now, weight_version, metrics_url)
         if old is not None and old.leased:
             self._release_leases(old)
         return self.job_info()
@@ -309,10 +315,12 @@ class BrokerState:
 
     def try_fill_batch(self, now: float) -> Outgoing:
         """Answer the trainer's pending request if enough trainable groups are buffered."""
+        pending = self.batches.pending  # the request fill() answers (and clears): its policy version
         filled = self.batches.fill(now, self.dynamic.expected_keep_rate)
         if filled is None:
             return []
         identity, batch = filled
+        self.staleness.observe(pending.policy_version - g.oldest_version for g in batch.groups)  # type: ignore[union-attr]
         batch.stats.update({key: self.registry.sum_stat(role, stat) for key, (role, stat) in BATCH_WORKER_STATS.items()})
         if self.dynamic.active:
             batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))

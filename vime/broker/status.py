@@ -1,5 +1,7 @@
 """The broker's status: one JSON-ready dict of its queues, counters, parts and workers, for `vime status`
-(over the socket, or from the snapshot file the server writes when the broker is not reachable)."""
+(over the socket, or from the snapshot file the server writes when the broker is not reachable), and
+what the broker's Prometheus `/metrics` is made of (`vime.broker.prometheus`). It is read from another
+thread there, so it holds copies, never the state's live containers."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
         "checkpoint_steps": state.batches.checkpoint_steps,
         "admission_limit": state.admission_limit,
         "committed": state.committed,
+        "metrics_url": state.metrics_url,
         "queues": {
             "eval": len(state.evals.queue),
             "retry": len(state.retry_queue),
@@ -29,9 +32,12 @@ def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
             "training": len(state.batches.training),
         },
         "counters": dict(state.counters),
+        "messages": dict(state.received),
         # From a credit's arrival to the send of the group that spends it (vime.broker.latency).
         "dispatch_latency": state.credit_wait["rollout"].status(),
         "scoring_dispatch_latency": state.credit_wait["reward"].status(),
+        # Weight versions between each trained group's oldest token and the policy that trains it.
+        "staleness": state.staleness.status(),
         "dynamic_sampling": state.dynamic.status(state.settings.over_sampling_batch_size, state.over_sampling_margin),
         "eval": state.evals.status(),
         "workers": [
@@ -42,7 +48,8 @@ def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
                 "leased": len(w.leased),
                 "weight_version": w.weight_version,
                 "seconds_since_seen": round(now - w.last_seen, 3),
-                "stats": w.stats,
+                "metrics_url": w.metrics_url,
+                "stats": dict(w.stats),
             }
             for w in state.workers.values()
         ],

@@ -35,6 +35,7 @@ class WorkerInfo:
     weight_version: int = -1
     leased: set[str] = field(default_factory=set)
     stats: dict[str, Any] = field(default_factory=dict)
+    metrics_url: str | None = None  # where the worker serves Prometheus /metrics (its Hello says)
     requeued: int = 0  # leased groups put back in a queue when this registration ended (for the log)
     # When each unspent credit arrived, oldest first (what the dispatch latency counts from).
     credit_times: deque[float] = field(default_factory=deque, repr=False, compare=False)
@@ -64,10 +65,12 @@ class WorkerRegistry:
     def __iter__(self) -> Iterator[WorkerInfo]:
         return iter(list(self.workers.values()))
 
-    def register(self, identity: bytes, worker_id: str, role: str, now: float, weight_version: int = -1) -> WorkerInfo | None:
+    def register(
+        self, identity: bytes, worker_id: str, role: str, now: float, weight_version: int = -1, metrics_url: str | None = None
+    ) -> WorkerInfo | None:
         """Add (or replace) a registration; returns the one it replaced, whose leases the caller takes back."""
         old = self.workers.get(identity)
-        worker = WorkerInfo(identity, worker_id, role, now, weight_version=weight_version)
+        worker = WorkerInfo(identity, worker_id, role, now, weight_version=weight_version, metrics_url=metrics_url)
         self.workers[identity] = worker
         if identity not in self._order:
             self._order[identity] = self._next_order

@@ -138,6 +138,13 @@ class Hello(Message, tag="hello"):
     pid: int = 0
     weight_version: int = -1
     info: dict[str, Any] = {}
+    # Where this worker serves Prometheus /metrics (`vime status` lists it); None: it serves none.
+    # Optional, so a broker and workers of different versions still understand each other's Hello.
+    metrics_url: str | None = None
+
+    def validate(self) -> None:
+        # Shown by `vime status` and kept per worker: a bounded address, not a payload.
+        require(self.metrics_url is None or len(self.metrics_url) <= 512, "metrics_url is longer than 512 characters")
 
 
 class JobInfo(Message, tag="job_info"):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Any
 
 from vime.broker.journal import JournalWriter, journal_file, move_aside, read_journal
+from vime.broker.prometheus import broker_families
 from vime.broker.recovery import compacted, header_for, job_finished, restore, steps_recorded
 from vime.broker.server import BrokerServer
 from vime.broker.settings import BrokerSettings
@@ -16,6 +18,7 @@ from vime.eval import EvalSet
 from vime.data.tokenizer import load_tokenizer
 from vime.filters import build_group_filter
 from vime.logging import bind_process, configure_logging, get_logger
+from vime.prometheus import MetricsError, MetricsServer, SnapshotCollector, start_metrics_server
 from vime.security import Security
 
 
@@ -74,10 +77,20 @@ def main(argv: list[str] | None = None) -> None:
     log = get_logger("vime.broker")
     state = build_state(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    collector: SnapshotCollector[dict[str, Any]] = SnapshotCollector(broker_families)
+    metrics: MetricsServer | None = None
+    if cfg.metrics:
+        try:
+            metrics = start_metrics_server(collector, cfg.metrics_host, cfg.metrics_port, process="broker")
+        except MetricsError as exc:
+            log.error("metrics_failed", error=str(exc))
+            sys.exit(2)
+        state.metrics_url = metrics.url
     journal = open_journal(cfg, state) if cfg.journal else None
     server = BrokerServer(
         state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json",
         security=Security.from_config(cfg), journal=journal, compact_bytes=cfg.journal_compact_bytes,
+        metrics=collector if metrics is not None else None,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
@@ -85,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     if state.evals.tracker is not None:
         sets = {e.name: len(e.prompts) for e in state.evals.tracker.sets}
         log.info("eval_sets_loaded", sets=sets, interval=cfg.eval_interval)
-    server.serve()
+    try:
+        server.serve()
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 if __name__ == "__main__":

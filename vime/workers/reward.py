@@ -17,13 +17,16 @@ failures by kind) and running means of numeric reward extras ride on the heartbe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from vime.broker.client import BrokerClient
+from vime.broker.latency import LatencyHistogram
 from vime.config import VimeConfig
 from vime.logging import get_logger
 from vime.metrics import BusyTimer
+from vime.prometheus import WorkerMetrics
 from vime.protocol.messages import (
     Ack, Credit, GroupScores, GroupsScored, Heartbeat, HeartbeatAck, ScoreGroups, ScoringGroup, ScoringSample, Shutdown,
 )
@@ -143,12 +146,21 @@ class RewardWorker:
         self.client = client
         self.scorer = scorer or build_scorer(cfg)
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stats = {"groups": 0.0, "samples_failed": 0.0, "busy_s": 0.0}
+        self.stats = {"groups": 0.0, "samples": 0.0, "samples_failed": 0.0, "busy_s": 0.0}
         self.extras = ExtraMeans()
         self.busy = BusyTimer()
         self.groups_in_flight = 0
+        self.score_seconds = LatencyHistogram()  # per ScoreGroups message, for /metrics
+        self.metrics = WorkerMetrics("reward")  # /metrics, fed at each heartbeat (vime.prometheus)
 
     async def run(self) -> int:
+        self.client.metrics_url = self.metrics.start(self.cfg, self.client.worker_id)
+        try:
+            return await self._run()
+        finally:
+            self.metrics.close()
+
+    async def _run(self) -> int:
         await self.client.hello()
         await self.client.send(Credit(n=self.cfg.reward_concurrency))
         heartbeat = asyncio.create_task(
@@ -193,14 +205,17 @@ class RewardWorker:
         stats.update(self.extras.stats())
         if isinstance(self.scorer, RemoteReward):
             stats.update(self.scorer.stats())
+        self.metrics.publish(-1, len(self.tasks), stats, {"score": self.score_seconds.status()})
         return Heartbeat(in_flight=len(self.tasks), stats=stats)
 
     async def _score(self, groups: Sequence[ScoringGroup]) -> None:
         self.busy.begin()
+        started = time.perf_counter()
         try:
             scores = await score_groups(self.scorer, groups)
         finally:
             self.busy.end()
+        self.score_seconds.observe(time.perf_counter() - started)
         failures = sum(sum(s.failed) for s in scores)
         if failures:
             reason = next(r for s in scores for r, f in zip(s.reasons, s.failed) if f)
@@ -208,6 +223,7 @@ class RewardWorker:
         for s in scores:
             self.extras.add([e for e, f in zip(s.extras, s.failed) if not f])
         self.stats["groups"] += len(groups)
+        self.stats["samples"] += sum(len(s.rewards) for s in scores)
         self.stats["samples_failed"] += failures
         self.groups_in_flight -= len(groups)
         await self.client.send(GroupsScored(scores=scores))

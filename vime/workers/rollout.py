@@ -31,6 +31,7 @@ from vime.broker.client import BrokerClient
 from vime.config import VimeConfig
 from vime.logging import bind_progress, get_logger
 from vime.metrics import BusyTimer
+from vime.prometheus import WorkerMetrics
 from vime.protocol.messages import (
     Ack,
     Credit,
@@ -103,7 +104,9 @@ class RolloutWorker:
         self.stats = {
             "busy_s": 0.0, "update_s": 0.0, "updates": 0.0, "fetch_s": 0.0, "load_s": 0.0, "paused_s": 0.0,
             "update_bytes": 0.0, "tokens": 0.0, "groups": 0.0, "eval_groups": 0.0, "groups_failed_in_rollout": 0.0,
+            "samples": 0.0,
         }  # fmt: skip
+        self.metrics = WorkerMetrics("rollout")  # /metrics, fed at each heartbeat (vime.prometheus)
         self.agent = agent
         self._last_failure_log = float("-inf")
         self.sampling: SamplingConfig | None = None
@@ -122,6 +125,13 @@ class RolloutWorker:
         )  # fmt: skip
 
     async def run(self) -> int:
+        self.client.metrics_url = self.metrics.start(self.cfg, self.client.worker_id)
+        try:
+            return await self._run()
+        finally:
+            self.metrics.close()
+
+    async def _run(self) -> int:
         job = await self.client.hello(weight_version=self.engine.weight_version)
         self.sampling = SamplingConfig(
             temperature=float(job.sampling["temperature"]),
@@ -285,6 +295,7 @@ class RolloutWorker:
             if pinned:
                 self._pin(-1)
         self.stats["tokens"] += sum(len(s.response_tokens) for s in group.samples)
+        self.stats["samples"] += len(group.samples)
         self.stats["eval_groups" if is_eval else "groups"] += 1
         await self.client.send(GroupsGenerated(groups=[group]))
         await self.client.send(Credit(n=1))
@@ -335,7 +346,9 @@ class RolloutWorker:
         self.stats["busy_s"] = self.busy.total()
         if self.colocate is not None:
             self.stats["asleep_s"] = self.colocate.asleep_s
-        return Heartbeat(weight_version=self.engine.weight_version, in_flight=self.busy.in_flight, stats=dict(self.stats))
+        heartbeat = Heartbeat(weight_version=self.engine.weight_version, in_flight=self.busy.in_flight, stats=dict(self.stats))
+        self.metrics.publish(heartbeat.weight_version, heartbeat.in_flight, heartbeat.stats)
+        return heartbeat
 
 
 async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:

@@ -6,7 +6,8 @@ The loop, per step (slime-style, readable in one sitting):
   3. every rank runs `TorchTrainer.train_step` (advantages, old logprobs, PPO-clip updates);
   4. rank 0 reports the step; every `update_weights_interval` steps all ranks export the weights and
      rank 0 publishes them as version v+1 on its weight channel and tells the broker;
-  5. rank 0 writes one JSON line of metrics and one line of the step's group ids
+  5. rank 0 writes one JSON line of metrics (also sent to W&B / TensorBoard with `--use-wandb` /
+     `--use-tensorboard`, vime/tracking.py) and one line of the step's group ids
      (`trained_groups.jsonl`); every `save_interval` steps all ranks save a resumable checkpoint.
 Ranks > 0 only follow the broadcasts. Rank 0 trains in a worker thread so its heartbeats keep flowing
 while a long step runs.
@@ -45,6 +46,8 @@ from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.checkpoint import ResumePoint, checkpoint_dir_for, find_checkpoint, load_checkpoint, save_checkpoint
 from vime.trainer.torch_backend import TorchTrainer, TorchTrainerConfig
+from vime.prometheus import WorkerMetrics
+from vime.tracking import Trackers, check_installed, open_trackers
 from vime.weights.publisher import WeightPublisher
 
 log = get_logger("vime.worker.trainer")
@@ -250,7 +253,7 @@ class LeaderLoop:
 
     def __init__(
         self, cfg: VimeConfig, trainer: PolicyTrainer, client: BrokerClient, publisher: WeightPublisher,
-        dtype: torch.dtype, resume: ResumePoint | None = None,
+        dtype: torch.dtype, resume: ResumePoint | None = None, trackers: Trackers | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.trainer = trainer
@@ -261,12 +264,22 @@ class LeaderLoop:
         self.version = resume.weight_version if resume else 0
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.ledger_path = cfg.run_dir / "trained_groups.jsonl"
+        self.trackers = trackers if trackers is not None else Trackers()
+        self.prometheus = WorkerMetrics("trainer")
+        self.totals = {"steps": 0.0, "step_s": 0.0, "batch_wait_s": 0.0}  # this process's, for /metrics
         self.heartbeat: asyncio.Task[None] | None = None
         self.shutdown_received = False
         self.published_endpoint: str | None = None
         self.colocate: ColocateServer | None = None  # --colocate: made in run(), inside the event loop
 
     async def run(self) -> int:
+        self.client.metrics_url = self.prometheus.start(self.cfg, self.client.worker_id)
+        try:
+            return await self._run()
+        finally:
+            self.prometheus.close()
+
+    async def _run(self) -> int:
         job = await self.client.hello(weight_version=self.version)
         first_step = self.resume.steps_done if self.resume else 0
         # A job that has published before (a resumed or restarted trainer, with or without a restarted
@@ -332,6 +345,7 @@ class LeaderLoop:
                     "perf/tokens_per_gpu_per_sec": float(batch.num_tokens) / train_time / max(1, dist.get_world_size() if dist.is_initialized() else 1),
                 })
                 self._write_metrics(step, metrics)
+                self._publish_totals(train_time, wait_time)
                 if self.cfg.save_interval and (step + 1) % self.cfg.save_interval == 0:
                     await self._save(step)
             await self._save(self.cfg.num_rollout - 1)
@@ -433,7 +447,15 @@ class LeaderLoop:
         record = {"step": step, "weight_version": self.version, "time": time.time(), **metrics}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.trackers.log(step, record)
         log.info("step_done", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
+
+    def _publish_totals(self, train_time: float, wait_time: float) -> None:
+        """This process's running totals to its /metrics (a fresh dict each time: the scrape thread reads it)."""
+        totals = self.totals
+        self.totals = {"steps": totals["steps"] + 1, "step_s": totals["step_s"] + train_time,
+                       "batch_wait_s": totals["batch_wait_s"] + wait_time}  # fmt: skip
+        self.prometheus.publish(self.version, 0, self.totals)
 
     def _write_ledger(self, step: int, group_ids: list[str]) -> None:
         """Which groups each step trained, as the trainer saw them (checked against the broker's account
@@ -453,6 +475,7 @@ class LeaderLoop:
         record = {"step": msg.step, "weight_version": msg.weight_version, "time": time.time(), **msg.metrics}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.trackers.log(msg.step, record)  # at the evaluated step, behind later steps' lines
         log.info("eval_logged", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items() if k != "time"})
 
     async def _save(self, step: int) -> None:
@@ -466,6 +489,8 @@ class LeaderLoop:
 
 def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     info = init_distributed(megatron=cfg.train_backend == "megatron")
+    if info.rank == 0:
+        check_installed(cfg)  # TrackerNotInstalled now, not after loading the model
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, str(cfg.vllm.get("dtype", "bfloat16")))
     trainer = build_trainer(cfg)
@@ -474,25 +499,43 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         if info.rank != 0:
             return follower_loop(trainer, cfg, dtype)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        security = Security.from_config(cfg)
-        publisher = WeightPublisher(cfg.weight_bind, security=security, cuda_ipc=cfg.weight_cuda_ipc_on())
+        # The trackers' runs continue when metrics.jsonl does: a resumed or restarted trainer of the job.
+        continuing = resume is not None or (cfg.run_dir / "metrics.jsonl").exists()
         try:
-            client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security)
+            trackers = open_trackers(cfg, continuing=continuing, first_step=resume.steps_done if resume else 0)
         except BaseException:
-            publisher.close()
+            _command(COMMAND_STOP, -1)
             raise
         try:
-            return asyncio.run(LeaderLoop(cfg, trainer, client, publisher, dtype, resume).run())
-        except BrokerGone as exc:
-            log.error("broker_gone", error=str(exc))
-            _command(COMMAND_STOP, -1)
-            return 1
+            return _lead(cfg, trainer, dtype, resume, trackers, worker_id)
         finally:
-            publisher.close()
-            client.close()
+            trackers.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lead(
+    cfg: VimeConfig, trainer: PolicyTrainer, dtype: torch.dtype, resume: ResumePoint | None, trackers: Trackers,
+    worker_id: str | None,
+) -> int:  # fmt: skip
+    """Rank 0 after loading: the weight channel, the broker connection and the leader loop."""
+    security = Security.from_config(cfg)
+    publisher = WeightPublisher(cfg.weight_bind, security=security, cuda_ipc=cfg.weight_cuda_ipc_on())
+    try:
+        client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security)
+    except BaseException:
+        publisher.close()
+        raise
+    try:
+        return asyncio.run(LeaderLoop(cfg, trainer, client, publisher, dtype, resume, trackers).run())
+    except BrokerGone as exc:
+        log.error("broker_gone", error=str(exc))
+        _command(COMMAND_STOP, -1)
+        return 1
+    finally:
+        publisher.close()
+        client.close()
 
 
 __all__ = ["run", "groups_to_batch", "rollout_metrics"]

@@ -1,0 +1,30 @@
+"""How stale the groups the trainer gets are: for each training group in a fresh batch, the weight
+versions between its oldest token and the policy that trains it (0: on-policy).
+
+Kept as counts in fixed buckets (`EDGES`: whole versions, as `le` bounds), so `/metrics` can serve it
+as a Prometheus histogram whose buckets never change: the staleness gate keeps values at or below
+`max_staleness`, and anything larger (a resumed trainer, a group without tokens) lands in the last
+buckets rather than growing the set. A batch sent again (lost reply, resumed trainer) is not counted
+twice: only `BrokerState.try_fill_batch` observes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+EDGES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class StalenessHistogram:
+    def __init__(self) -> None:
+        self.counts = [0] * (len(EDGES) + 1)  # counts[i]: at most EDGES[i] (above the previous); last: above all
+        self.sum = 0
+
+    def observe(self, staleness: Iterable[int]) -> None:
+        for value in staleness:
+            self.counts[bisect.bisect_left(EDGES, value)] += 1
+            self.sum += value
+
+    def status(self) -> dict[str, object]:
+        return {"edges": list(EDGES), "counts": list(self.counts), "n": sum(self.counts), "sum": self.sum}
