@@ -380,3 +380,17 @@ def test_only_the_adapter_is_published_and_the_hf_engine_merges_it(checkpoint: P
         finally:
             loop.run_until_complete(engine.shutdown())
             loop.close()
+
+
+def test_native_lora_rollout_is_refused_where_it_cannot_work() -> None:
+    """vLLM's native adapters: not past vLLM's largest rank, and not colocated (a deep sleep drops the base
+    weights under the adapter); auto picks merge there instead."""
+    from vime.config import VimeConfig
+
+    base = dict(hf_checkpoint="m", prompt_data="demo:arithmetic", lora_rank=16)
+    assert VimeConfig(**base, lora_rollout="native").lora_rollout == "native"
+    assert VimeConfig(**base, colocate=True).lora_rollout == "auto"
+    with pytest.raises(ValueError, match="colocated"):
+        VimeConfig(**base, lora_rollout="native", colocate=True)
+    with pytest.raises(ValueError, match="largest max_lora_rank"):
+        VimeConfig(**{**base, "lora_rank": 1024}, lora_rollout="native")

@@ -290,6 +290,12 @@ class VimeConfig(BaseModel):
         "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or all-linear (every linear layer of the "
         "decoder layers; never the LM head or the embeddings)",
     )  # fmt: skip
+    lora_rollout: Literal["auto", "native", "merge"] = Field(
+        "auto", description="LoRA: how vLLM rollout engines take each adapter version: native (vLLM's own LoRA "
+        "adapter, replaced in place: only the adapter moves and loads), merge (folded into the base weights, "
+        "which are reloaded), or auto (native on GPUs; merge on vLLM-CPU, whose LoRA kernels are slower, and "
+        "with --colocate). The transformers engine always merges",
+    )  # fmt: skip
     save: Path | None = Field(None, description="checkpoint dir (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(
         None, ge=1, description="save a resumable checkpoint (HF weights + optimizer, RNG, step) every N steps",
@@ -491,6 +497,11 @@ class VimeConfig(BaseModel):
         from vime.trainer.lora import parse_target_modules
 
         parse_target_modules(self.target_modules)  # ValueError naming the module
+        if self.lora_rollout == "native":
+            from vime.rollout.vllm_lora import choose_lora_rollout, vllm_lora_rank
+
+            vllm_lora_rank(self.lora_rank)  # ValueError past vLLM's largest adapter rank
+            choose_lora_rollout("native", on_cpu=False, sleep_mode=self.colocate)  # ValueError with --colocate
         return self
 
     @model_validator(mode="after")

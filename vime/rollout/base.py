@@ -265,6 +265,8 @@ def build_engine(
     partial_rollout: bool = True,
     sleep_mode: bool = False,
     engine_core: str = "auto",
+    lora_rank: int | None = None,
+    lora_rollout: str = "auto",
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -279,6 +281,8 @@ def build_engine(
     `sleep_mode` (colocation): the engine must be able to `sleep`; vLLM then reserves its memory so
     that sleeping frees it (where the platform supports that; on CPU sleeping only stops the steps).
     `engine_core` (vLLM): "process", "inline" or "auto", where its engine core runs (`VllmRolloutEngine`).
+    `lora_rank` (a LoRA run: versions are adapters of that rank) and `lora_rollout` (vLLM: "native",
+    "merge" or "auto", `vime.rollout.vllm_lora`); the transformers engine merges every adapter version.
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -291,7 +295,7 @@ def build_engine(
         return VllmRolloutEngine(
             model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
             capture_routing=capture_routing, partial_rollout=partial_rollout, sleep_mode=sleep_mode,
-            engine_core=engine_core,  # type: ignore[arg-type]
+            engine_core=engine_core, lora_rank=lora_rank, lora_rollout=lora_rollout,  # type: ignore[arg-type]
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine

@@ -9,6 +9,10 @@ resumes; with `partial_rollout=False` it lets the requests in flight finish firs
 Per-token versions come from vLLM's own stamps (0.32+) or, where vLLM has none (0.26), from vime's
 `VersionLedger`; `version_source` picks, "auto" by feature detection. R3 capture needs CUDA. What each
 step costs, why pauses can be slow, and the vLLM versions this runs on: docs/vllm.md.
+
+A LoRA run's versions are adapters: merged into the base weights by the workers (`adapter_merge`), or,
+natively, loaded as vLLM's own adapter (`vllm_lora`): this process fetches the adapter, and the same
+pause swaps it in place of the previous version's.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any, Iterator, Literal
+from typing import Any, Awaitable, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -37,6 +41,15 @@ from vime.rollout.base import (
     versions_from_spans,
 )
 from vime.rollout.vllm_environment import apply_vllm_environment, engine_arg_name
+from vime.rollout.vllm_lora import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    AdapterVersions,
+    LoraRollout,
+    NotAnAdapter,
+    choose_lora_rollout,
+    native_lora_engine_args,
+)
 from vime.rollout.vllm_owner_watch import arm as arm_owner_watch
 from vime.rollout.vllm_stats import OutputBarrier, StatHooks, silent_prometheus_logger, stat_logger_factory
 from vime.rollout.vllm_versions import VersionLedger, output_positions
@@ -120,7 +133,8 @@ class VllmRolloutEngine(RolloutEngine):
 
     `engine_args` go to `AsyncEngineArgs` (unknown names raise ValueError at `start`).
     `fetch_timeout_s` bounds each weight fetch (no publisher, no progress); `warmup=False` skips the
-    start-up warm-up (then the first pause may take seconds, see the module docstring).
+    start-up warm-up (then the first pause may take seconds, see the module docstring). With
+    `lora_rank`, versions are LoRA adapters of that rank, loaded as `lora_rollout` says (`vllm_lora`).
     """
 
     def __init__(
@@ -137,7 +151,16 @@ class VllmRolloutEngine(RolloutEngine):
         version_source: VersionSource = "auto",
         sleep_mode: bool = False,
         engine_core: EngineCorePlacement = "auto",
+        lora_rank: int | None = None,
+        lora_rollout: LoraRollout = "auto",
     ) -> None:
+        if lora_rollout not in ("auto", "native", "merge"):
+            raise ValueError(f"lora_rollout must be auto, native or merge, got {lora_rollout!r}")
+        self._lora_rank = lora_rank or None
+        self._lora_rollout_wanted: LoraRollout = lora_rollout
+        self.lora_rollout: Literal["native", "merge"] | None = None  # resolved at start for a LoRA run
+        self._adapters: AdapterVersions | None = None  # native LoRA: the versions' directories
+        self._lora_request: Any = None  # native LoRA: vLLM's LoRARequest of the version loaded
         if version_source not in ("auto", "vllm", "vime"):
             raise ValueError(f"version_source must be auto, vllm or vime, got {version_source!r}")
         if engine_core not in ("auto", "process", "inline"):
@@ -236,6 +259,11 @@ class VllmRolloutEngine(RolloutEngine):
             # vLLM's CuMem allocator, so that sleeping really frees the GPU memory (the CPU build has no
             # sleep mode: there sleeping only stops the scheduler).
             args["enable_sleep_mode"] = True
+        if self._lora_rank:
+            self.lora_rollout = choose_lora_rollout(self._lora_rollout_wanted, current_platform.is_cpu(), self._sleep_mode)
+            if self.lora_rollout == "native":
+                args.update(native_lora_engine_args(self._lora_rank))
+                self._adapters = AdapterVersions()
         if self._capture_routing:
             if current_platform.is_cpu():
                 raise RuntimeError(R3_CPU_ERROR)
@@ -282,6 +310,7 @@ class VllmRolloutEngine(RolloutEngine):
             version_source=self.version_source,
             engine_core=self.engine_core_placement,
             engine_args=self._engine_args,
+            lora_rollout=self.lora_rollout,
         )
 
     def _choose_version_source(self) -> None:
@@ -330,6 +359,8 @@ class VllmRolloutEngine(RolloutEngine):
         if llm is not None:
             llm.shutdown()
             log.info("vllm engine stopped", model=self._model_path)
+        if self._adapters is not None:
+            self._adapters.close()
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -416,7 +447,7 @@ class VllmRolloutEngine(RolloutEngine):
         inputs = self._inputs([int(t) for t in prompt_tokens], cache_salt=self._cache_salt())
         request_id = self._request_id("gen")
         try:
-            final = await self._run_request(llm, request_id, inputs, params)
+            final = await self._run_request(llm, request_id, inputs, params, self._lora_request)
             completions = sorted(final.outputs, key=lambda c: c.index)
             prompt_len = len(prompt_tokens)
             texts = self._decode([c.token_ids for c in completions])
@@ -425,14 +456,14 @@ class VllmRolloutEngine(RolloutEngine):
             if self._ledger is not None:
                 self._ledger.forget(request_id)
 
-    async def _run_request(self, llm: Any, request_id: str, inputs: Any, params: Any) -> Any:
+    async def _run_request(self, llm: Any, request_id: str, inputs: Any, params: Any, lora_request: Any = None) -> Any:
         """Submit one request and wait for its final output (vLLM's `generate` loop, with the moment the
         request is registered made visible to the version ledger). Aborts it in vLLM if we fail or are
         cancelled once it is registered."""
         with self._in_flight():
             self._begin_registration()
             try:
-                collector = await llm.add_request(request_id, inputs, params)
+                collector = await llm.add_request(request_id, inputs, params, lora_request=lora_request)
                 if self._ledger is not None:
                     self._ledger.track(request_id, params.n, self._version)
             finally:
@@ -496,7 +527,7 @@ class VllmRolloutEngine(RolloutEngine):
         final = None
         inputs = self._inputs(tokens, cache_salt=self._cache_salt())
         with self._in_flight():
-            async for output in llm.generate(inputs, params, request_id=self._request_id("score")):
+            async for output in llm.generate(inputs, params, request_id=self._request_id("score"), lora_request=self._lora_request):
                 final = output
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vLLM returned no prompt logprobs")
@@ -577,11 +608,14 @@ class VllmRolloutEngine(RolloutEngine):
             if version <= self._version:
                 return WeightUpdateResult(version=self._version, requested_version=version, skipped=True)
             fetch_start = time.perf_counter()
-            status = await self._fetch_in_background(endpoint, version)
+            if self._adapters is not None:
+                status, load = await self._fetch_adapter(endpoint, version)
+            else:
+                status, load = await self._fetch_in_background(endpoint, version), self._load_into_workers
             fetch_s = time.perf_counter() - fetch_start
             # The critical section runs as its own task: if our caller is cancelled we still finish it
             # (it resumes generation) before letting the cancellation through.
-            critical = asyncio.ensure_future(self._apply_paused())
+            critical = asyncio.ensure_future(self._apply_paused(load))
             try:
                 timings = await asyncio.shield(critical)
             except asyncio.CancelledError:
@@ -720,11 +754,11 @@ class VllmRolloutEngine(RolloutEngine):
                  loaded=result is not None, transport=None if result is None else result.extra["transport"])  # fmt: skip
         return result
 
-    async def _apply_paused(self) -> dict[str, float]:
+    async def _apply_paused(self, load: Callable[..., Awaitable[None]]) -> dict[str, float]:
         async with self._pause_lock:
-            return await self._apply_paused_locked()
+            return await self._apply_paused_locked(load)
 
-    async def _apply_paused_locked(self) -> dict[str, float]:
+    async def _apply_paused_locked(self, load: Callable[..., Awaitable[None]]) -> dict[str, float]:
         llm = self._running()
         self._submit_open.clear()
         user_paused = self._user_paused
@@ -735,7 +769,10 @@ class VllmRolloutEngine(RolloutEngine):
             # With the gate closed and no request of ours in vLLM, nothing can run during the load: the
             # pause and resume (two engine round trips) would guard nothing.
             idle = self._requests_in_flight == 0
-            if not self._partial_rollout and not idle:
+            # The first native adapter also lets requests in flight finish: they run without an adapter,
+            # and vLLM would not move them onto it, so their later tokens would not be the new version's.
+            first_adapter = self._adapters is not None and self._lora_request is None
+            if (not self._partial_rollout or first_adapter) and not idle:
                 # Also on a frozen engine: PAUSED_ALL -> PAUSED_NEW lets its requests finish first.
                 await llm.pause_generation(mode="wait", clear_cache=False)
                 paused = True
@@ -748,7 +785,7 @@ class VllmRolloutEngine(RolloutEngine):
                 await self._barrier.wait()  # every output made before the pause is counted
                 positions = output_positions(llm)
             t1 = time.perf_counter()
-            await self._load_into_workers(llm, positions=positions)
+            await load(llm, positions=positions)
             t2 = time.perf_counter()
         finally:
             # Never leave the engine paused by the update, whatever failed above; a user's freeze stays.
@@ -756,15 +793,14 @@ class VllmRolloutEngine(RolloutEngine):
                 if paused:
                     await llm.resume_generation()
                 self._submit_open.set()
-            elif paused and not self._partial_rollout:
+            elif paused and (not self._partial_rollout or first_adapter):
                 await llm.pause_generation(mode="keep", clear_cache=False)  # back from "wait" to a freeze
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2, "paused_s": t3 - t0}
 
     async def _load_into_workers(self, llm: Any, positions: Any = None) -> None:
-        """Load the fetched version in every worker and make it the engine's version (vLLM's stamps,
-        vime's ledger at `positions`); a version already current (a level-2 wake-up refilling its
-        weights) needs no mark. Raises WeightUpdateError: the model may be partly updated."""
+        """Load the fetched version in every worker and make it the engine's (`_mark_version`). Raises
+        WeightUpdateError: the model may be partly updated."""
         try:
             results = await llm.collective_rpc("vime_apply_fetched", args=(self._fetch_timeout_s,))
         except Exception as exc:
@@ -774,7 +810,46 @@ class VllmRolloutEngine(RolloutEngine):
         loaded = {int(r["version"]) for r in results}
         if len(loaded) != 1:
             raise WeightUpdateError(f"vLLM workers loaded different versions {sorted(loaded)}; restart")
-        new_version = loaded.pop()
+        await self._mark_version(llm, loaded.pop(), positions)
+
+    async def _fetch_adapter(self, endpoint: str, version: int) -> tuple[dict[str, Any], Callable[..., Awaitable[None]]]:
+        """Native LoRA: fetch the newest adapter >= `version` here (megabytes, on a thread) and write it
+        for vLLM; returns its status and the load step for the paused section. Raises WeightFetchFailed
+        (the engine keeps its adapter)."""
+        from vime.weights.fetcher import WeightFetcher
+
+        assert self._adapters is not None
+        adapters = self._adapters
+
+        def fetch_and_write() -> tuple[Any, Any]:
+            with WeightFetcher(endpoint, timeout_s=self._fetch_timeout_s) as fetcher:
+                fetched = fetcher.fetch(min_version=version)
+                return fetched, adapters.write(fetched.version, fetched.tensors, fetched.adapter_config)
+
+        try:
+            fetched, directory = await asyncio.to_thread(fetch_and_write)
+        except NotAnAdapter as exc:
+            raise WeightFetchFailed(str(exc)) from exc
+        except Exception as exc:  # the fetcher's errors: publisher gone, timeout, checksum
+            raise WeightFetchFailed(f"adapter fetch from {endpoint} failed (engine keeps its adapter): {exc}") from exc
+
+        async def load(llm: Any, positions: Any = None) -> None:
+            from vllm.lora.request import LoRARequest
+
+            request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True)
+            try:
+                await llm.add_lora(request)
+            except Exception as exc:
+                raise WeightUpdateError(f"vLLM could not load adapter version {fetched.version}; restart the engine: {exc}") from exc
+            self._lora_request = request
+            await self._mark_version(llm, int(fetched.version), positions)
+
+        status = {"version": fetched.version, "nbytes": fetched.nbytes, "fetch_s": fetched.seconds, "transport": "lora"}
+        return status, load
+
+    async def _mark_version(self, llm: Any, new_version: int, positions: Any) -> None:
+        """Make `new_version` the engine's: vLLM's stamps, vime's ledger at `positions`. A version already
+        current (a level-2 wake-up refilling its weights) needs no mark."""
         if new_version == self._version:
             return
         if self._native_versions:

