@@ -237,7 +237,7 @@ def test_bad_message_lines_are_rate_limited_with_a_count_of_the_rest(
     monkeypatch.setattr(server_module.time, "monotonic", lambda: clock[0])
     server = idle_server()
     sent: list = []
-    monkeypatch.setattr(server, "_send", lambda outgoing: sent.extend(outgoing))
+    monkeypatch.setattr(server.outbox, "send", lambda outgoing: sent.extend(outgoing))
     try:
         garbage = [zmq.Frame(b"peer"), zmq.Frame(b"\x00garbage")]
         for _ in range(20_000):

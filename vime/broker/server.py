@@ -34,10 +34,11 @@ import zmq
 
 from vime.broker.journal import JournalWriter
 from vime.broker.recovery import compacted
-from vime.broker.state import BrokerState, Outgoing
+from vime.broker.outbox import Outbox
+from vime.broker.state import BrokerState
 from vime.logging import bind_progress, get_logger
 from vime.prometheus import SnapshotCollector
-from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ProtocolError, decode, encode
+from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ProtocolError, decode
 from vime.protocol.messages import (
     Ack,
     BatchRequest,
@@ -156,6 +157,7 @@ class BrokerServer:
                 self.guard.close()
             self.context.term()
             raise
+        self.outbox = Outbox(self.socket, before_send=self._flush_journal)
         self.status_path = status_path
         self.max_message_bytes = max_message_bytes
         self._stop = False
@@ -193,7 +195,7 @@ class BrokerServer:
         poller.register(self.socket, zmq.POLLIN)
         log.info("broker_started", admission_limit=self.state.admission_limit)
         while not self._stop:
-            events = dict(poller.poll(timeout=100))
+            events = dict(poller.poll(timeout=0 if self.outbox.pending else 100))
             now = time.monotonic()
             if self.socket in events:
                 self._drain(now)
@@ -202,6 +204,7 @@ class BrokerServer:
                 finished_at = finished_at or now
                 if not self.state.workers or now - finished_at > linger_after_finish_s:
                     break
+        self.outbox.flush()
         self._flush_journal()
         if self.journal is not None:
             self.journal.close()
@@ -235,16 +238,17 @@ class BrokerServer:
             for worker in self.state.expire_workers(now):
                 log.warning("worker_expired", worker=worker.worker_id, role=worker.role, requeued=worker.requeued)
         self.bad_message_log.roll(now)
-        self._send(self.state.dispatch())
-        self._send(self.state.dispatch_scoring())
+        self.outbox.send_some()
+        self.outbox.send(self.state.dispatch())
+        self.outbox.send(self.state.dispatch_scoring())
         self.state.record_sent(time.monotonic())
-        self._send(self.state.try_fill_batch(now))
+        self.outbox.send(self.state.try_fill_batch(now))
         evals = self.state.poll_evals()
         for step, msg in {m.step: m for _, m in evals if isinstance(m, EvalResult)}.items():
             passes = {k: round(v, 4) for k, v in msg.metrics.items() if "/pass@" in k or k.endswith("/reward_mean")}
             seconds = round(msg.metrics.get("eval/time_s", 0.0), 3)
             log.info("eval_done", eval_step=step, eval_version=msg.weight_version, seconds=seconds, **passes)
-        self._send(evals)
+        self.outbox.send(evals)
         self._warn_if_filter_starves()
         self._flush_journal()
         self._maybe_compact()
@@ -278,7 +282,7 @@ class BrokerServer:
                     log.info("bad_message", code=exc.code, detail=exc.detail[:200], peer=identity.hex())
             elif self.bad_message_log.allow(exc.code, now):
                 log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
-            self._send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
+            self.outbox.send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
 
     def _check_role_key(self, hello: Hello, frame: Any) -> None:
         """Under CURVE a client key named for a role ("rollout", "rollout-node7") may only say Hello
@@ -303,10 +307,10 @@ class BrokerServer:
             job = state.register(identity, msg.worker_id, msg.role, now, msg.weight_version, msg.metrics_url)
             requeued = {"requeued": old.requeued} if old is not None and old.requeued else {}
             log.info("worker_joined", worker=msg.worker_id, role=msg.role, host=msg.host, pid=msg.pid, metrics=msg.metrics_url, **requeued)
-            self._send([(identity, Welcome(worker_id=msg.worker_id, job=job))])
+            self.outbox.send([(identity, Welcome(worker_id=msg.worker_id, job=job))])
             return
         if isinstance(msg, StatusRequest):
-            self._send([(identity, StatusReply(status=state.status(now)))])
+            self.outbox.send([(identity, StatusReply(status=state.status(now)))])
             return
         worker = state.workers.get(identity)
         if worker is None:
@@ -316,7 +320,7 @@ class BrokerServer:
         state.touch(identity, now)
         if isinstance(msg, Heartbeat):
             state.touch(identity, now, msg.weight_version, {"in_flight": msg.in_flight, **msg.stats})
-            self._send([(identity, HeartbeatAck(weight_version=state.published_version, weight_endpoint=state.weight_endpoint))])
+            self.outbox.send([(identity, HeartbeatAck(weight_version=state.published_version, weight_endpoint=state.weight_endpoint))])
         elif isinstance(msg, Bye):
             state.remove_worker(identity)
             log.info("worker_left", worker=worker.worker_id, reason=msg.reason, requeued=worker.requeued)
@@ -324,25 +328,26 @@ class BrokerServer:
             state.add_credit(identity, msg.n, now)
         elif isinstance(msg, GroupsGenerated):
             accepted = state.on_generated(identity, msg.groups)
-            self._send([(identity, Ack(ids=accepted))])
+            self.outbox.send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, GroupsScored):
             accepted = state.on_scored(identity, msg.scores, now)
-            self._send([(identity, Ack(ids=accepted))])
+            self.outbox.send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, BatchRequest):
-            self._send(state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now))
+            self.outbox.send(state.request_batch(identity, msg.step, msg.n_groups, msg.policy_version, now))
         elif isinstance(msg, StepDone):
-            self._send(state.on_step_done(msg.step, msg.group_ids))
+            self.outbox.send(state.on_step_done(msg.step, msg.group_ids))
             bind_progress(step=state.trained_steps)
-            self._send([(identity, Ack(ids=[str(msg.step)]))])
+            self.outbox.send([(identity, Ack(ids=[str(msg.step)]))])
         elif isinstance(msg, CheckpointSaved):
             state.on_checkpoint(msg.steps_done)
             log.info("trainer_checkpoint", steps_done=msg.steps_done, path=msg.path, replayable_steps=len(state.batches.step_batches))
-            self._send([(identity, Ack(ids=[f"checkpoint-{msg.steps_done}"]))])
+            self.outbox.send([(identity, Ack(ids=[f"checkpoint-{msg.steps_done}"]))])
         elif isinstance(msg, WeightsPublished):
-            self._send(state.on_weights_published(msg.version, msg.endpoint, None if msg.reannounce else msg.step, now))
+            # To every rollout worker: a few per loop turn, so credits arriving meanwhile are not held up.
+            self.outbox.broadcast(state.on_weights_published(msg.version, msg.endpoint, None if msg.reannounce else msg.step, now))
             bind_progress(weight_version=state.published_version)
             log.info("weights_published", version=msg.version, nbytes=msg.nbytes, seconds=round(msg.seconds, 4))
-            self._send([(identity, Ack(ids=[str(msg.version)]))])
+            self.outbox.send([(identity, Ack(ids=[str(msg.version)]))])
 
     def _flush_log_limits(self) -> None:
         """At shutdown: report the bad-message lines left out in the last interval."""
@@ -362,20 +367,6 @@ class BrokerServer:
         if self.journal.size > self.compact_bytes // 2:
             # Mostly live data (a large buffer): compact again only after it has doubled.
             self.compact_bytes = 2 * self.journal.size
-
-    def _send(self, outgoing: Outgoing) -> None:
-        if outgoing:
-            self._flush_journal()  # write-ahead: a record is in the kernel before anyone acts on it
-        last: tuple[Message | None, list[Any]] = (None, [])
-        for identity, msg in outgoing:
-            # One message to many peers (a weight version announced to every rollout worker) is encoded once.
-            frames = last[1] if msg is last[0] else encode(msg)
-            last = (msg, frames)
-            try:
-                self.socket.send_multipart([identity, *frames], copy=False)
-            except zmq.ZMQError as exc:
-                # ROUTER_MANDATORY: the peer is gone. Its leases expire through the heartbeat timeout.
-                log.warning("send_failed", peer=identity.hex(), message=type(msg).__name__, error=str(exc))
 
     def _write_status(self, now: float, force: bool = False) -> None:
         if (self.status_path is None and self.metrics is None) or (not force and now - self._last_status_write < 1.0):
