@@ -12,7 +12,12 @@ because tests/ has no __init__.py, so pytest puts tests/ itself on sys.path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -81,3 +86,33 @@ async def freeze_in_flight(
     await engine.pause_generation()
     assert not any(t.done() for t in tasks), "generation finished before the engine froze"
     return tasks
+
+
+@contextlib.contextmanager
+def started_vllm_engine(loop: asyncio.AbstractEventLoop, model_dir: Path, max_len: int, **kwargs: Any) -> Iterator[Any]:
+    """A started `VllmRolloutEngine` on `model_dir` for a test module (`kwargs` to its constructor), shut
+    down at exit. On CPU: 1 GiB of KV cache and one OpenMP thread (the engine's processes read these at
+    spawn; the caller's values come back after). On CUDA: eager, so it starts in seconds."""
+    import torch
+
+    from vime.rollout.vllm_engine import VllmRolloutEngine
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    args: dict[str, Any] = {"dtype": "bfloat16", "max-model-len": max_len}
+    if torch.cuda.is_available():
+        args.update(enforce_eager=True, gpu_memory_utilization=0.3)
+    engine = VllmRolloutEngine(str(model_dir), engine_args=args, **kwargs)
+    engine._fetch_timeout_s = 3.0  # keeps the unreachable-publisher tests short
+    try:
+        loop.run_until_complete(engine.start())
+        yield engine
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

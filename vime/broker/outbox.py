@@ -13,7 +13,7 @@ expire through the heartbeat timeout), so one dead peer never stops a broadcast.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
@@ -48,10 +48,7 @@ class Outbox:
         if not outgoing:
             return
         self.before_send()
-        last: tuple[Message | None, list[Any]] = (None, [])
-        for identity, msg in outgoing:
-            frames = last[1] if msg is last[0] else encode(msg)
-            last = (msg, frames)
+        for identity, msg, frames in _encoded(outgoing):
             for earlier, earlier_frames in self._waiting.pop(identity, ()):
                 self._send_one(identity, earlier, earlier_frames)
             self._send_one(identity, msg, frames)
@@ -61,10 +58,7 @@ class Outbox:
         if not outgoing:
             return
         self.before_send()
-        last: tuple[Message | None, list[Any]] = (None, [])
-        for identity, msg in outgoing:
-            frames = last[1] if msg is last[0] else encode(msg)
-            last = (msg, frames)
+        for identity, msg, frames in _encoded(outgoing):
             self._waiting.setdefault(identity, []).append((msg, frames))
 
     def send_some(self) -> None:
@@ -84,3 +78,12 @@ class Outbox:
             self.socket.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as exc:
             log.warning("send_failed", peer=identity.hex(), message=type(msg).__name__, error=str(exc))
+
+
+def _encoded(outgoing: Outgoing) -> Iterator[tuple[bytes, Message, list[Any]]]:
+    """Each (peer, message) with its frames; a message object repeated for consecutive peers is encoded once."""
+    last: tuple[Message | None, list[Any]] = (None, [])
+    for identity, msg in outgoing:
+        frames = last[1] if msg is last[0] else encode(msg)
+        last = (msg, frames)
+        yield identity, msg, frames

@@ -154,11 +154,8 @@ class RewardWorker:
         self.metrics = WorkerMetrics("reward")  # /metrics, fed at each heartbeat (vime.prometheus)
 
     async def run(self) -> int:
-        self.client.metrics_url = self.metrics.start(self.cfg, self.client.worker_id)
-        try:
+        with self.metrics.serving(self.cfg, self.client):
             return await self._run()
-        finally:
-            self.metrics.close()
 
     async def _run(self) -> int:
         await self.client.hello()

@@ -125,11 +125,8 @@ class RolloutWorker:
         )  # fmt: skip
 
     async def run(self) -> int:
-        self.client.metrics_url = self.metrics.start(self.cfg, self.client.worker_id)
-        try:
+        with self.metrics.serving(self.cfg, self.client):
             return await self._run()
-        finally:
-            self.metrics.close()
 
     async def _run(self) -> int:
         job = await self.client.hello(weight_version=self.engine.weight_version)

@@ -273,11 +273,8 @@ class LeaderLoop:
         self.colocate: ColocateServer | None = None  # --colocate: made in run(), inside the event loop
 
     async def run(self) -> int:
-        self.client.metrics_url = self.prometheus.start(self.cfg, self.client.worker_id)
-        try:
+        with self.prometheus.serving(self.cfg, self.client):
             return await self._run()
-        finally:
-            self.prometheus.close()
 
     async def _run(self) -> int:
         job = await self.client.hello(weight_version=self.version)
