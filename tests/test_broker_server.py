@@ -181,10 +181,12 @@ class LogRecorder:
 
 @pytest.fixture()
 def server_log(monkeypatch: pytest.MonkeyPatch) -> LogRecorder:
+    import vime.broker.bad_messages as bad_messages_module
     import vime.broker.server as server_module
 
     recorder = LogRecorder()
     monkeypatch.setattr(server_module, "log", recorder)
+    monkeypatch.setattr(bad_messages_module, "log", recorder)
     return recorder
 
 
