@@ -579,7 +579,7 @@ def check_accounting(sim: Simulation) -> None:
         problems.append(f"broker counters {counters} disagree with the records")
     if counters["groups_admitted"] != len(generated):
         problems.append(f"admitted {counters['groups_admitted']} != generated {len(generated)}")
-    if state.generating or state.batches.buffer or state.to_score or state.scoring or state.batches.training or state.retry_queue:
+    if state.in_flight.generating or state.batches.buffer or state.in_flight.to_score or state.in_flight.scoring or state.batches.training or state.in_flight.retry:
         problems.append("groups left in the broker after the last step")
     if problems:
         raise AssertionError("; ".join(problems))

@@ -215,8 +215,8 @@ def test_random_crashes_lose_nothing_and_train_nothing_twice(tmp_path: Path, see
     assert state.counters["broker_restarts"] == job.crashes
     # Every admitted group (epoch, prompt) is trained once, dropped for a recorded reason, or still in the
     # pipeline (admission runs ahead of the last step); none is two of these.
-    in_pipeline = {g.group_id for g in state.retry_queue} | set(state.batches.buffer) | set(state.generating) | set(state.scoring)
-    in_pipeline |= {g.group_id for g in state.to_score}
+    in_pipeline = {g.group_id for g in state.in_flight.retry} | set(state.batches.buffer) | set(state.in_flight.generating) | set(state.in_flight.scoring)
+    in_pipeline |= {g.group_id for g in state.in_flight.to_score}
     live_trained = set(state.batches.trained_in_step)
     assert set(state.admission.open) == in_pipeline | live_trained
     assert not in_pipeline & set(ids) and live_trained <= set(ids)
@@ -272,9 +272,9 @@ def test_restored_state_matches_the_live_one(tmp_path: Path) -> None:
                 assert restored.published_version == state.published_version
                 assert restored.weight_endpoint is None, "a restored broker must not send workers to a dead publisher"
                 assert (restored.admission.cursor.epoch, restored.admission.cursor.position) == (state.admission.cursor.epoch, state.admission.cursor.position)
-                unfinished = [g.group_id for g in state.retry_queue] + list(state.generating) + list(state.scoring)
-                unfinished += [g.group_id for g in state.to_score]
-                assert sorted(g.group_id for g in restored.retry_queue) == sorted(unfinished)
+                unfinished = [g.group_id for g in state.in_flight.retry] + list(state.in_flight.generating) + list(state.in_flight.scoring)
+                unfinished += [g.group_id for g in state.in_flight.to_score]
+                assert sorted(g.group_id for g in restored.in_flight.retry) == sorted(unfinished)
                 for key in ("groups_admitted", "groups_trained", "groups_failed", "groups_dropped_stale"):
                     assert restored.counters[key] == state.counters[key], key
                 assert restored.groups_lost == 0

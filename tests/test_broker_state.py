@@ -182,7 +182,7 @@ def test_dead_reward_worker_returns_groups_to_the_scoring_queue() -> None:
     run_group_through(state, group, version=0)
     assert len(state.dispatch_scoring()) == 1
     state.remove_worker(REWARD)
-    assert [g.group_id for g in state.to_score] == [group.group_id]
+    assert [g.group_id for g in state.in_flight.to_score] == [group.group_id]
 
 
 def test_failed_rewards_are_excluded_not_zeroed() -> None:
@@ -212,7 +212,7 @@ def test_scores_of_the_wrong_length_are_refused() -> None:
     state.dispatch_scoring()
     bad = GroupScores(group_id=group.group_id, rewards=[1.0], failed=[False], reasons=[None])
     assert state.on_scored(REWARD, [bad]) == []
-    assert group.group_id in state.scoring
+    assert group.group_id in state.in_flight.scoring
 
 
 def test_finishing_tells_every_worker_to_shut_down() -> None:
@@ -466,6 +466,6 @@ def test_reward_workers_get_the_texts_label_and_metadata_but_no_token_arrays() -
     assert len(encode(msg)) == 1  # no array frames at all
     sent = msg.groups[0]
     assert (sent.group_id, sent.prompt_text, sent.label) == (groups[0].group_id, groups[0].prompt_text, groups[0].label)
-    assert [s.response_text for s in sent.samples] == [s.response_text for s in state.scoring[sent.group_id][0].samples]
+    assert [s.response_text for s in sent.samples] == [s.response_text for s in state.in_flight.scoring[sent.group_id][0].samples]
     assert (sent.samples[0].status, sent.samples[0].failure_reason) == ("failed", "tool server down")
-    assert len(state.scoring[sent.group_id][0].samples[0].response_tokens) == 400  # the broker keeps the arrays
+    assert len(state.in_flight.scoring[sent.group_id][0].samples[0].response_tokens) == 400  # the broker keeps the arrays

@@ -88,7 +88,7 @@ def restore(state: BrokerState, records: list[JournalRecord]) -> None:
     state.counters["broker_restarts"] += 1
     # Groups admitted but never buffered were generating or scoring: their tokens were not journaled.
     unplaced = [admits[group_id] for group_id in state.admission.unplaced(state.placed_ids())]
-    state.retry_queue = deque(state.admission.group_for(a.epoch, a.prompt_index) for a in unplaced)
+    state.in_flight.retry = deque(state.admission.group_for(a.epoch, a.prompt_index) for a in unplaced)
     # The trainer that served the journal's endpoint may be gone with this broker: rollout workers that
     # join now would wait on a dead address. The trainer re-announces its endpoint when it says Hello.
     state.weight_endpoint = None
@@ -145,7 +145,7 @@ def compacted(state: BrokerState) -> list[JournalRecord]:
     ]
     cursor_place = {"cursor_epoch": admission.cursor.epoch, "cursor_position": admission.cursor.position}
     payloads: dict[str, Group] = {**batches.retained, **batches.training, **batches.buffer}
-    unscored = (*state.retry_queue, *state.to_score, *(g for g, _ in state.generating.values()), *(g for g, _ in state.scoring.values()))
+    unscored = tuple(state.in_flight.groups())
     groups = {**{g.group_id: g for g in unscored}, **payloads}
     for group_id in sorted(in_play, key=admission.order):
         group = groups.get(group_id)

@@ -1,10 +1,10 @@
 """The broker's message handler: where every prompt group is between its parts, and what each message does.
 
 Pure logic (no sockets, time passed in), so it can be unit-tested exhaustively; the server
-(`vime.broker.server`) feeds it decoded messages and sends what it returns. `BrokerState` holds the
-groups in flight (to generate again, generating, to score, scoring) and composes the parts that own
-the rest, each with its own state, tests and journal replay:
+(`vime.broker.server`) feeds it decoded messages and sends what it returns. `BrokerState` composes the
+parts, each with its own state, tests and journal replay:
 - `workers.WorkerRegistry`: the workers, their credits and leases (one lease loop for both roles);
+- `in_flight.GroupsInFlight`: the groups between admission and the buffer, and their leases;
 - `admission.Admission`: the prompt cursor, the admitted/dropped ledger and the admission limit;
 - `batches.BatchPlanner`: the buffer, the staleness gate, each step's batch and its replay;
 - `dynamic_sampling.DynamicSampling`: the filter's decisions and the keep rate admission uses;
@@ -15,7 +15,7 @@ docs/broker.md.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -23,11 +23,12 @@ from vime.broker.admission import Admission
 from vime.broker.batches import BatchPlanner, CannotServeStep
 from vime.broker.dynamic_sampling import DynamicSampling, GroupFilter
 from vime.broker.eval_runs import EvalRuns
+from vime.broker.in_flight import GroupsInFlight
 from vime.broker.journal import JournalBuffered, JournalError, JournalFinished, JournalPublished, JournalRecord
 from vime.broker.latency import LatencyHistogram
 from vime.broker.settings import BrokerSettings
 from vime.broker.staleness import StalenessHistogram
-from vime.broker.status import broker_status
+from vime.broker.status import COUNTERS, broker_status
 from vime.broker.workers import WorkerInfo, WorkerRegistry
 from vime.data.prompts import PromptCursor
 from vime.eval import EvalSet
@@ -37,26 +38,6 @@ from vime.protocol.messages import (
 
 Outgoing = list[tuple[bytes, Message]]
 
-COUNTERS = (
-    "groups_dispatched", "groups_generated", "groups_scored", "groups_trained", "groups_dropped_stale",
-    "groups_failed", "groups_admitted", "groups_filtered", "groups_filter_kept", "filter_errors",
-    "eval_runs_started", "eval_runs_done", "eval_groups_dispatched", "eval_groups_scored", "groups_requeued",
-    "samples_failed", "late_results_dropped", "bad_messages", "unknown_peer_messages", "groups_trained_twice",
-    "steps_replayed", "batches_resent", "broker_restarts",
-)  # fmt: skip
-# Cumulative heartbeat stats summed over the workers of a role and sent with each batch: the trainer
-# logs them so engine idle time and the weight update's parts can be computed over any window of steps.
-BATCH_WORKER_STATS = {
-    "rollout_busy_s": ("rollout", "busy_s"),
-    "rollout_update_s": ("rollout", "update_s"),
-    "rollout_fetch_s": ("rollout", "fetch_s"),
-    "rollout_load_s": ("rollout", "load_s"),
-    "rollout_paused_s": ("rollout", "paused_s"),
-    "rollout_update_bytes": ("rollout", "update_bytes"),
-    "rollout_updates": ("rollout", "updates"),
-    "rollout_tokens": ("rollout", "tokens"),
-    "reward_busy_s": ("reward", "busy_s"),
-}
 
 
 class JournalSink(Protocol):
@@ -83,12 +64,7 @@ class BrokerState:
             window=4 * settings.lookahead_steps * (settings.over_sampling_batch_size or settings.rollout_batch_size),
         )  # fmt: skip
         self.evals = EvalRuns(settings, eval_sets, self.counters)
-        # Groups in flight, in the order they move: generated again, generating (leased), waiting for a
-        # reward worker, scoring (leased).
-        self.retry_queue: deque[Group] = deque()
-        self.generating: dict[str, tuple[Group, bytes]] = {}
-        self.to_score: deque[Group] = deque()
-        self.scoring: dict[str, tuple[Group, bytes]] = {}
+        self.in_flight = GroupsInFlight()
         self.published_version = 0
         self.weight_endpoint: str | None = None
         self.finished = False
@@ -150,21 +126,14 @@ class BrokerState:
     def _release_leases(self, worker: WorkerInfo) -> None:
         """Put the worker's leased groups back at the front of their queues, in dispatch order (counted
         in `worker.requeued`)."""
-        requeued = 0
-        for group_id in sorted(worker.leased, key=lambda g: (self.admission.order(g), g), reverse=True):
-            if group_id in self.generating:
-                group, _ = self.generating.pop(group_id)
-                group.samples = []
-                if self.evals.is_eval(group_id):
-                    self.evals.requeue(group)
-                else:
-                    self.batches.untrack_in_flight(group_id)
-                    self.retry_queue.appendleft(group)
-                requeued += 1
-            elif group_id in self.scoring:
-                group, _ = self.scoring.pop(group_id)
-                self.to_score.appendleft(group)
-                requeued += 1
+        order = sorted(worker.leased, key=lambda g: (self.admission.order(g), g), reverse=True)
+        regenerate, requeued = self.in_flight.release(order)
+        for group in regenerate:
+            if self.evals.is_eval(group.group_id):
+                self.evals.requeue(group)
+            else:
+                self.batches.untrack_in_flight(group.group_id)
+                self.in_flight.retry.appendleft(group)
         self.counters["groups_requeued"] += requeued
         worker.requeued += requeued
         worker.leased.clear()
@@ -209,7 +178,7 @@ class BrokerState:
         as admission allows (none once every training step is done)."""
         if self.finished:
             return []
-        batches = self.registry.lease_out("rollout", self._next_rollout_group, self.generating)
+        batches = self.registry.lease_out("rollout", self._next_rollout_group, self.in_flight.generating)
         return [(identity, DispatchGroups(groups=groups)) for identity, groups in batches.items()]
 
     def _next_rollout_group(self) -> Group | None:
@@ -220,8 +189,8 @@ class BrokerState:
             return group
         if self.batches.done:
             return None
-        if self.retry_queue:
-            group = self.retry_queue.popleft()
+        if self.in_flight.retry:
+            group = self.in_flight.retry.popleft()
         elif self.committed < self.admission_limit:
             group = self.admission.admit()
         else:
@@ -237,16 +206,15 @@ class BrokerState:
         """Accept generated groups leased to this worker; others are late duplicates and dropped."""
         accepted = []
         for group in groups:
-            lease = self.generating.get(group.group_id)
-            if lease is None or lease[1] != identity:
+            leased = self.in_flight.generated(identity, group.group_id)
+            if leased is None:
                 self.counters["late_results_dropped"] += 1
                 continue
-            del self.generating[group.group_id]
             self.registry.end_lease(identity, group.group_id)
             # The broker's own record decides what the group is for, not the worker's copy of it.
             group.kind = "eval" if self.evals.is_eval(group.group_id) else "train"
-            group.min_weight_version = lease[0].min_weight_version
-            self.to_score.append(group)
+            group.min_weight_version = leased.min_weight_version
+            self.in_flight.to_score.append(group)
             if group.kind == "train":
                 self.batches.track_in_flight(group.group_id, group.oldest_version if group.samples else group.min_weight_version)
                 self.counters["groups_generated"] += 1
@@ -255,22 +223,22 @@ class BrokerState:
 
     def dispatch_scoring(self) -> Outgoing:
         """Hand generated groups to reward workers with credits, as `ScoringGroup`s (texts only)."""
-        batches = self.registry.lease_out("reward", lambda: self.to_score.popleft() if self.to_score else None, self.scoring)
+        to_score = self.in_flight.to_score
+        batches = self.registry.lease_out("reward", lambda: to_score.popleft() if to_score else None, self.in_flight.scoring)
         return [(identity, ScoreGroups(groups=[ScoringGroup.of(g) for g in groups])) for identity, groups in batches.items()]
 
     def on_scored(self, identity: bytes, scores: list[GroupScores], now: float = 0.0) -> list[str]:
         accepted = []
         for score in scores:
-            lease = self.scoring.get(score.group_id)
-            if lease is None or lease[1] != identity:
+            group = self.in_flight.scoring_lease(identity, score.group_id)
+            if group is None:
                 self.counters["late_results_dropped"] += 1
                 continue
-            group = lease[0]
             if len(score.rewards) != len(group.samples):
                 # Wrong shape: leave the lease alone so it is re-scored after the worker's timeout.
                 self.counters["bad_messages"] += 1
                 continue
-            del self.scoring[score.group_id]
+            del self.in_flight.scoring[score.group_id]
             self.registry.end_lease(identity, score.group_id)
             self.batches.untrack_in_flight(score.group_id)
             self._attach_scores(group, score, now)
@@ -321,7 +289,7 @@ class BrokerState:
             return []
         identity, batch = filled
         self.staleness.observe(pending.policy_version - g.oldest_version for g in batch.groups)  # type: ignore[union-attr]
-        batch.stats.update({key: self.registry.sum_stat(role, stat) for key, (role, stat) in BATCH_WORKER_STATS.items()})
+        batch.stats.update(self.registry.batch_stats())
         if self.dynamic.active:
             batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
         return [(identity, batch)]
@@ -384,9 +352,7 @@ class BrokerState:
     def placed_ids(self) -> set[str]:
         """Training groups somewhere: in a queue, or trained in a step a trainer may still ask for."""
         b = self.batches
-        placed = set(b.trained_in_step) | set(b.buffer) | set(b.training) | set(self.generating) | set(self.scoring)
-        placed |= {g.group_id for g in self.retry_queue} | {g.group_id for g in self.to_score}
-        return placed
+        return set(b.trained_in_step) | set(b.buffer) | set(b.training) | self.in_flight.ids()
 
     @property
     def groups_lost(self) -> int:

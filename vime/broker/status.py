@@ -11,6 +11,16 @@ if TYPE_CHECKING:
     from vime.broker.state import BrokerState
 
 
+# The broker's counters, in the order `vime status` shows them (BrokerState keeps them; the parts add to them).
+COUNTERS = (
+    "groups_dispatched", "groups_generated", "groups_scored", "groups_trained", "groups_dropped_stale",
+    "groups_failed", "groups_admitted", "groups_filtered", "groups_filter_kept", "filter_errors",
+    "eval_runs_started", "eval_runs_done", "eval_groups_dispatched", "eval_groups_scored", "groups_requeued",
+    "samples_failed", "late_results_dropped", "bad_messages", "unknown_peer_messages", "groups_trained_twice",
+    "steps_replayed", "batches_resent", "broker_restarts",
+)  # fmt: skip
+
+
 def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
     return {
         "weight_version": state.published_version,
@@ -24,10 +34,7 @@ def broker_status(state: BrokerState, now: float) -> dict[str, Any]:
         "metrics_url": state.metrics_url,
         "queues": {
             "eval": len(state.evals.queue),
-            "retry": len(state.retry_queue),
-            "generating": len(state.generating),
-            "to_score": len(state.to_score),
-            "scoring": len(state.scoring),
+            **state.in_flight.sizes(),
             "buffered": len(state.batches.buffer),
             "training": len(state.batches.training),
         },

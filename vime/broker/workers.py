@@ -24,6 +24,20 @@ from typing import Any
 
 from vime.protocol.messages import Group
 
+# Cumulative heartbeat stats summed over the workers of a role and sent with each batch: the trainer
+# logs them so engine idle time and the weight update's parts can be computed over any window of steps.
+BATCH_WORKER_STATS = {
+    "rollout_busy_s": ("rollout", "busy_s"),
+    "rollout_update_s": ("rollout", "update_s"),
+    "rollout_fetch_s": ("rollout", "fetch_s"),
+    "rollout_load_s": ("rollout", "load_s"),
+    "rollout_paused_s": ("rollout", "paused_s"),
+    "rollout_update_bytes": ("rollout", "update_bytes"),
+    "rollout_updates": ("rollout", "updates"),
+    "rollout_tokens": ("rollout", "tokens"),
+    "reward_busy_s": ("reward", "busy_s"),
+}
+
 
 @dataclass
 class WorkerInfo:
@@ -142,6 +156,10 @@ class WorkerRegistry:
     def sum_stat(self, role: str, key: str) -> float:
         """The sum of one heartbeat stat over the workers of a role."""
         return float(sum(float(w.stats.get(key, 0.0)) for w in self.of_role(role)))
+
+    def batch_stats(self) -> dict[str, float]:
+        """`BATCH_WORKER_STATS`, summed over the workers now registered."""
+        return {key: self.sum_stat(role, stat) for key, (role, stat) in BATCH_WORKER_STATS.items()}
 
     def _rank(self, worker: WorkerInfo) -> None:
         """The worker's key changed: its older entries go stale, and it gets a new one if it has credit."""

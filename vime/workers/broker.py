@@ -55,7 +55,7 @@ def open_journal(cfg: VimeConfig, state: BrokerState) -> JournalWriter:
             # After the rewrite, which records this restart's count: one line per counted restart.
             log.warning(
                 "broker_resumed", journal=str(path), step=state.trained_steps, weight_version=state.published_version,
-                buffered=len(state.batches.buffer), in_training=len(state.batches.training), to_regenerate=len(state.retry_queue),
+                buffered=len(state.batches.buffer), in_training=len(state.batches.training), to_regenerate=len(state.in_flight.retry),
                 replayable_steps=len(state.batches.step_batches), records=len(records),
                 broker_restarts=state.counters["broker_restarts"],
             )  # fmt: skip
