@@ -67,9 +67,10 @@ log = get_logger(__name__)
 PROFILE_ENV = "VIME_BROKER_PROFILE"
 # One burst of incoming messages between housekeeping passes: as many as arrive within the budget. A
 # credit that arrives at the start of a burst waits for all of it, so the budget is most of the dispatch
-# latency's tail: 2 ms gave a half-load p99 of 5.4-7.6 ms in bench/broker_scale.py, 1 ms 4.5-5.4 ms at
-# the same full-load throughput, 0.5 ms 3.8-4.5 ms but 10-20 % fewer messages/s (passes that find little to do).
-DRAIN_BUDGET_S = 0.001
+# latency's tail: in bench/broker_scale.py 2 ms gave a half-load p99 of 5.4-7.6 ms, 1 ms 4.5-5.4 ms,
+# 0.75 ms 3.2-4.5 ms at 24-28k messages/s at full load, 0.5 ms 3.8-4.5 ms but fewer messages/s (more
+# passes that find little to do).
+DRAIN_BUDGET_S = 0.00075
 DRAIN_MAX_MESSAGES = 4096
 
 # Which roles may send which messages; anything else is answered with an error.
