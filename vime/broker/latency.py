@@ -18,14 +18,24 @@ _PER_DOUBLING = 4
 _EDGES_S: tuple[float, ...] = tuple(_FIRST_EDGE_S * 2 ** (k / _PER_DOUBLING) for k in range(78))
 
 
-class LatencyHistogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(_EDGES_S) + 1)  # counts[i]: at most _EDGES_S[i]; the last: above them all
-        self.sum_s = 0.0  # Prometheus histograms carry the sum (a window's mean is its two differences' ratio)
+class BucketCounts:
+    """Counts of observed values in fixed buckets and their sum: `counts[i]` holds the values at most
+    `edges[i]` (and above the edge before), the last count those above every edge. Fixed buckets keep it
+    bounded and cheap per observation; Prometheus histograms carry the same counts and sum."""
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(_EDGES_S, seconds)] += 1
-        self.sum_s += seconds
+    def __init__(self, edges: Sequence[float]) -> None:
+        self.edges = tuple(edges)
+        self.counts = [0] * (len(self.edges) + 1)
+        self.sum: float = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.edges, value)] += 1
+        self.sum += value
+
+
+class LatencyHistogram(BucketCounts):
+    def __init__(self) -> None:
+        super().__init__(_EDGES_S)
 
     def status(self) -> dict[str, object]:
         """Cumulative counts (for differences over a window) with the bucket edges, and the percentiles
@@ -34,7 +44,7 @@ class LatencyHistogram:
             "edges_ms": [round(e * 1e3, 4) for e in _EDGES_S],
             "counts": list(self.counts),
             "n": sum(self.counts),
-            "sum_s": self.sum_s,
+            "sum_s": self.sum,
             "p50_ms": percentile_ms(self.counts, 0.50),
             "p99_ms": percentile_ms(self.counts, 0.99),
         }

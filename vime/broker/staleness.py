@@ -10,21 +10,14 @@ twice: only `BrokerState.try_fill_batch` observes.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable
+from vime.broker.latency import BucketCounts
 
 EDGES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
-class StalenessHistogram:
+class StalenessHistogram(BucketCounts):
     def __init__(self) -> None:
-        self.counts = [0] * (len(EDGES) + 1)  # counts[i]: at most EDGES[i] (above the previous); last: above all
-        self.sum = 0
-
-    def observe(self, staleness: Iterable[int]) -> None:
-        for value in staleness:
-            self.counts[bisect.bisect_left(EDGES, value)] += 1
-            self.sum += value
+        super().__init__(EDGES)
 
     def status(self) -> dict[str, object]:
         return {"edges": list(EDGES), "counts": list(self.counts), "n": sum(self.counts), "sum": self.sum}

@@ -288,7 +288,8 @@ class BrokerState:
         if filled is None:
             return []
         identity, batch = filled
-        self.staleness.observe(pending.policy_version - g.oldest_version for g in batch.groups)  # type: ignore[union-attr]
+        for group in batch.groups:
+            self.staleness.observe(pending.policy_version - group.oldest_version)  # type: ignore[union-attr]
         batch.stats.update(self.registry.batch_stats())
         if self.dynamic.active:
             batch.stats.update(self.dynamic.batch_stats(self.over_sampling_margin))
