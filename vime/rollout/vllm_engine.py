@@ -824,7 +824,10 @@ class VllmRolloutEngine(RolloutEngine):
         def fetch_and_write() -> tuple[Any, Any]:
             with WeightFetcher(endpoint, timeout_s=self._fetch_timeout_s) as fetcher:
                 fetched = fetcher.fetch(min_version=version)
-                return fetched, adapters.write(fetched.version, fetched.tensors, fetched.adapter_config)
+                try:
+                    return fetched, adapters.write(fetched.version, fetched.tensors, fetched.adapter_config)
+                finally:
+                    fetched.release()  # vLLM reads the written files; the tensors are not needed past here
 
         try:
             fetched, directory = await asyncio.to_thread(fetch_and_write)
