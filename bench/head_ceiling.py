@@ -4,8 +4,11 @@ Logits are `(head * norm_weight) @ x` for an RMS-normalized hidden state x of no
 adapter on the decoder layers can only turn x. For each token asked for, this searches the sphere
 (gradient ascent from a few random starts) for the direction that gives the token the most probability,
 and prints that probability and the entropy left there. A LoRA run's policy cannot beat these numbers.
+With `--temperature T` the probabilities are those of sampling at T (softmax of logits / T), as the
+rollouts and the trainer's logprobs use them.
 
     python bench/head_ceiling.py --model runs/demo-model --tokens 0123456789 --eos
+    python bench/head_ceiling.py --model runs/demo-model --eos --temperature 0.7
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 
-def ceiling(weights: torch.Tensor, token: int, starts: int = 4, steps: int = 400, seed: int = 0) -> tuple[float, float]:
-    """The most probability `token` can get over unit directions, and the entropy at that direction."""
+def ceiling(
+    weights: torch.Tensor, token: int, temperature: float = 1.0, starts: int = 4, steps: int = 400, seed: int = 0
+) -> tuple[float, float]:
+    """The most probability `token` can get over unit directions when sampling at `temperature`, and the
+    entropy at that direction."""
     hidden = weights.shape[1]
     generator = torch.Generator().manual_seed(seed)
     best = (0.0, 0.0)
@@ -27,12 +33,12 @@ def ceiling(weights: torch.Tensor, token: int, starts: int = 4, steps: int = 400
         u = torch.randn(hidden, generator=generator).requires_grad_(True)
         opt = torch.optim.Adam([u], lr=0.05)
         for _ in range(steps):
-            logp = torch.log_softmax(weights @ (u / u.norm() * hidden**0.5), 0)
+            logp = torch.log_softmax(weights @ (u / u.norm() * hidden**0.5) / temperature, 0)
             opt.zero_grad()
             (-logp[token]).backward()
             opt.step()
         with torch.no_grad():
-            logp = torch.log_softmax(weights @ (u / u.norm() * hidden**0.5), 0)
+            logp = torch.log_softmax(weights @ (u / u.norm() * hidden**0.5) / temperature, 0)
             p = float(logp[token].exp())
             if p > best[0]:
                 best = (p, float(-(logp.exp() * logp).sum()))
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="a checkpoint directory (model.safetensors, tokenizer)")
     parser.add_argument("--tokens", default="0123456789", help="characters whose token ids to check")
     parser.add_argument("--eos", action="store_true", help="check the EOS token too")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eos:
         ids["<eos>"] = tokenizer.eos_token_id
     for text, token in ids.items():
-        p, entropy = ceiling(weights, int(token))
+        p, entropy = ceiling(weights, int(token), args.temperature)
         print(json.dumps({"token": text, "id": int(token), "max_probability": round(p, 4), "entropy_there": round(entropy, 3)}))
     return 0
 

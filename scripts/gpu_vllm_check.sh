@@ -11,7 +11,8 @@
 #   bash scripts/gpu_vllm_check.sh multiturn  # the agent tests (multi-turn R3 through vLLM) and the multi-turn demo
 #   bash scripts/gpu_vllm_check.sh lora-train # the trainer with and without a LoRA adapter at 1.7B and 4B (VIME_GPU_LORA_SIZES)
 # VIME_GPU_RUN_ARGS adds flags to every `vime run` of pipeline and sizes (e.g. "--lora-rank 16 --lr 2e-3");
-# the pipeline's `lora` layout is the torch layout with --lora-rank 16 (VIME_GPU_LORA_LR, default 2e-3).
+# the pipeline's `lora` layout is the torch layout with the CPU demo's LoRA recipe: --lora-rank 16, --lr 2e-3
+# (VIME_GPU_LORA_LR), --rollout-temperature 0.7 (VIME_GPU_LORA_TEMPERATURE; docs/lora.md says why).
 # LoRA needs peft and accelerate: wheels in .vllm-cuda/lora (carry it) are installed into /tmp/vllm-site.
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 # To clear the GPU between calls, kill its compute processes by pid (nvidia-smi --query-compute-apps=pid):
@@ -30,7 +31,8 @@ sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, torch, transformers, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__)' || exit 1
 status=0
-if [ -d .vllm-cuda/lora ] && ! python3 -c 'import peft' 2>/dev/null; then
+# The image's own peft may predate its transformers: the pinned one goes first on the path.
+if [ -d .vllm-cuda/lora ] && ! python3 -c 'import peft, sys; sys.exit(peft.__version__ != "0.21.2")' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-site .vllm-cuda/lora/*.whl || status=1
 fi
 run_args=(${VIME_GPU_RUN_ARGS:-})
@@ -66,7 +68,8 @@ for part in "${@:-tests}"; do
         megatron) extra=(--train-backend megatron --make-demo-model) ;;
         colocate) extra=(--train-backend torch --make-demo-model --colocate) ;;
         megatron-colocate) extra=(--train-backend megatron --make-demo-model --colocate) ;;
-        lora) extra=(--train-backend torch --make-demo-model --lora-rank 16 --lr "${VIME_GPU_LORA_LR:-2e-3}") ;;
+        lora) extra=(--train-backend torch --make-demo-model --lora-rank 16 --lr "${VIME_GPU_LORA_LR:-2e-3}"
+                     --rollout-temperature "${VIME_GPU_LORA_TEMPERATURE:-0.7}") ;;
         *) echo "unknown layout $layout"; status=2; continue ;;
       esac
       timeout "${VIME_GPU_RUN_S:-400}" python3 -m vime.cli run configs/demo.yaml --rollout-engine vllm \
