@@ -17,13 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from vime.broker.journal import (
     JournalBatch, JournalBuffered, JournalCheckpoint, JournalDropped, JournalError, JournalRecord, JournalSnapshot,
     JournalStepDone,
 )
 from vime.broker.settings import BrokerSettings
+from vime.broker.staleness import staleness_stats
 from vime.protocol.codec import ERROR_CANNOT_RESUME, ProtocolError
 from vime.protocol.messages import Group, TrainBatch
 
@@ -354,9 +353,3 @@ class BatchPlanner:
     def finish_restore(self) -> None:
         """After the replay: the buffer in dispatch order, as it was built live."""
         self.buffer = OrderedDict(sorted(self.buffer.items(), key=lambda kv: self._ledger.order(kv[0])))
-
-
-def staleness_stats(groups: list[Group], policy_version: int) -> dict[str, float]:
-    """How many versions behind `policy_version` a batch's groups are: mean and max."""
-    staleness = [policy_version - g.oldest_version for g in groups]
-    return {"staleness_mean": float(np.mean(staleness)), "staleness_max": float(np.max(staleness))}

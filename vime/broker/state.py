@@ -26,6 +26,7 @@ from vime.broker.eval_runs import EvalRuns
 from vime.broker.in_flight import GroupsInFlight
 from vime.broker.journal import JournalBuffered, JournalError, JournalFinished, JournalPublished, JournalRecord
 from vime.broker.latency import LatencyHistogram
+from vime.broker.scores import apply_scores
 from vime.broker.settings import BrokerSettings
 from vime.broker.staleness import StalenessHistogram
 from vime.broker.status import COUNTERS, broker_status
@@ -37,7 +38,6 @@ from vime.protocol.messages import (
 )
 
 Outgoing = list[tuple[bytes, Message]]
-
 
 
 class JournalSink(Protocol):
@@ -246,19 +246,9 @@ class BrokerState:
         return accepted
 
     def _attach_scores(self, group: Group, score: GroupScores, now: float) -> None:
-        kept = []
-        for sample, reward, failed, reason, extra in zip(
-            group.samples, score.rewards, score.failed, score.reasons, score.extras or [{}] * len(score.rewards)
-        ):
-            if failed:
-                sample.status = "failed"
-                sample.failure_reason = reason or "reward failed"
-                if group.kind == "train":
-                    self.counters["samples_failed"] += 1
-                continue
-            sample.reward = float(reward)
-            sample.reward_extra = extra
-            kept.append(sample)
+        kept, failures = apply_scores(group, score)
+        if group.kind == "train":
+            self.counters["samples_failed"] += failures
         if group.kind == "eval":
             self.evals.scored(group, now)
             return
