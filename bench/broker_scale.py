@@ -40,9 +40,21 @@ Figures (over the measured window, after `--warmup-s`):
 - broker CPU%: (utime + stime) of the broker process from /proc over the window (100% = one core);
   client CPU% likewise, summed over the client processes, and the machine's busy share from /proc/stat,
   to say which side saturates;
-- broker RSS: peak (VmHWM) and its bound: the RSS with every worker connected and nothing generated,
-  plus the admission limit ((max_staleness + 1) x rollout_batch_size groups; every generated group the
-  broker can hold at once) times the bytes of one generated group.
+- broker RSS: peak (VmHWM) and its bound, the sum of
+  - the baseline: the RSS with every worker connected and nothing generated;
+  - peers (rollout + reward workers + the trainer) x libzmq's steady-state memory per connected peer. A
+    connection's memory in libzmq grows with the messages it has carried, whatever their size, for the
+    first few hundred, then stays flat (~56 KiB per peer): a per-connection cost, not buffered data. It
+    fits libzmq's pipes, which queue messages in chunks of 256 64-byte slots and keep an emptied chunk
+    for reuse, touching two chunks per direction. The baseline is taken before that cost is reached, so
+    the bench measures it once per invocation (`zmq_peer_steady_kib`): a ROUTER made as the broker makes
+    its own, in a process of its own, echoes as many DEALERs as the bench has peers, one message in
+    flight per peer, until two successive rounds of 100 messages per peer each move its RSS by under 1 %
+    of its growth so far; the growth over its RSS after the first message, divided by the peers;
+  - the admission limit ((max_staleness + 1) x rollout_batch_size groups; every generated group the
+    broker can hold at once) times the bytes of one decoded group.
+  `--no-pipe-probe` skips the probe (~16 s for 1,101 peers); the bound is then baseline + admission
+  only, as `broker_rss_bound_buffer_only_mib` always is.
 
 Correctness checked at the end of every run: the broker's `groups_lost` == 0 and `groups_trained_twice`
 == 0, the trainer trained groups, no ErrorReply reached a worker, and every credit a worker granted is
@@ -51,6 +63,7 @@ holds).
 
     .venv/bin/python bench/broker_scale.py --json                       # 1,000 + 100 workers, demo and 30b-a3b shapes
     .venv/bin/python bench/broker_scale.py --quick --json               # 20 + 4 workers, demo shape, seconds
+    .venv/bin/python bench/broker_scale.py --shapes demo --no-pipe-probe # without libzmq's per-peer cost in the bound
     .venv/bin/python bench/broker_scale.py --shapes demo --profile-broker runs/broker.prof
 """
 
@@ -563,6 +576,128 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+# --- libzmq's cost per connected peer ---------------------------------------------------------------
+
+PROBE_MESSAGE_BYTES = 100  # its size hardly matters: 10 B to 8 KB gave 56-59 KiB per peer (200 peers)
+PROBE_ROUND_MESSAGES = 100  # messages per peer each way between two RSS readings
+PROBE_MAX_MESSAGES = 2_000
+PROBE_TOLERANCE = 0.01
+
+
+def probe_router(address: str) -> None:
+    """The probe's ROUTER, made as the broker makes its own (`make_router`): echoes every message to its
+    sender until stdin closes."""
+    import zmq
+
+    from vime.transport import make_router
+
+    context = zmq.Context()
+    router = make_router(context, address)
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(sys.stdin.fileno(), zmq.POLLIN)
+    _say({"event": "bound"})
+    while True:
+        events = dict(poller.poll())
+        if sys.stdin.fileno() in events:
+            break  # stdin closed: the probe is over
+        while True:
+            try:
+                router.send_multipart(router.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+    router.close(linger=0)
+    context.term()
+
+
+def probe_dealers(address: str, peers: int, message_bytes: int) -> None:
+    """The probe's peers, DEALERs as the simulated workers make them. On "round K" each sends K messages
+    and waits for their echoes, one in flight per peer at a time: a pipe never holds more than one
+    message, so what the ROUTER's RSS gains is what a connection costs, not queued data."""
+    import zmq
+
+    context = zmq.Context(io_threads=1)
+    context.set(zmq.MAX_SOCKETS, 65_536)
+    sockets = []
+    for i in range(peers):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"probe-{i}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a stuck ROUTER ends the probe (zmq.Again) instead of hanging it
+        sock.connect(address)
+        sockets.append(sock)
+    payload = b"x" * message_bytes
+    _say({"event": "connected"})
+    for line in sys.stdin:
+        for _ in range(int(line.split()[1])):
+            for sock in sockets:
+                sock.send(payload)
+            for sock in sockets:
+                sock.recv()
+        _say({"event": "round_done"})
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+
+
+def zmq_peer_steady_kib(peers: int, message_bytes: int = PROBE_MESSAGE_BYTES) -> dict[str, Any]:
+    """libzmq's memory per connected peer once its pipes have reached steady state, in a ROUTER process
+    of its own with `peers` DEALERs: the ROUTER's RSS after one message per peer each way (what the
+    bench's baseline sees), then after rounds of `PROBE_ROUND_MESSAGES` more until two successive rounds
+    each change it by under `PROBE_TOLERANCE` of its growth so far; that growth divided by `peers`."""
+    started = time.monotonic()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+
+    def spawn(*argv: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, __file__, *argv], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    router = spawn("--probe-router", address)
+    procs = [router]
+    try:
+        _expect(router, "bound", timeout_s=60)
+        dealers = spawn("--probe-dealers", json.dumps({"address": address, "peers": peers, "message_bytes": message_bytes}))
+        procs.append(dealers)
+        _expect(dealers, "connected", timeout_s=120)
+
+        def exchange(messages_per_peer: int) -> int:
+            dealers.stdin.write(f"round {messages_per_peer}\n")  # type: ignore[union-attr]
+            dealers.stdin.flush()  # type: ignore[union-attr]
+            _expect(dealers, "round_done", timeout_s=300)
+            return proc_status_kib(router.pid, "VmRSS")
+
+        readings = [(1, exchange(1))]
+        plateaued = False
+        while readings[-1][0] < PROBE_MAX_MESSAGES and not plateaued:
+            readings.append((readings[-1][0] + PROBE_ROUND_MESSAGES, exchange(PROBE_ROUND_MESSAGES)))
+            # Flat: the last two rounds each moved it by under 1 % of its growth so far. (1 % of the whole
+            # RSS would stop too early with few peers: their growth is a small share of the process.)
+            last = [rss for _, rss in readings[-3:]]
+            grown = readings[-1][1] - readings[0][1]
+            plateaued = len(last) == 3 and all(abs(b - a) < PROBE_TOLERANCE * grown for a, b in zip(last, last[1:]))
+    finally:
+        for proc in procs:  # the ROUTER first: its peers leaving would only make it log disconnects
+            proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    baseline_kib, steady_kib = readings[0][1], max(rss for _, rss in readings)
+    return {
+        "peers": peers,
+        "message_bytes": message_bytes,
+        "zmq_peer_steady_kib": round(max(0, steady_kib - baseline_kib) / peers, 1),
+        "router_baseline_rss_mib": round(baseline_kib / 1024, 1),
+        "router_steady_rss_mib": round(steady_kib / 1024, 1),
+        "messages_per_peer": readings[-1][0],
+        "rss_mib_by_messages_per_peer": {n: round(rss / 1024, 1) for n, rss in readings},
+        "plateaued": plateaued,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
 def run_point(args: argparse.Namespace, shape_name: str, load: str, gen_mean_s: float) -> dict[str, Any]:
     """One broker, one set of clients, one load; returns the figures and the checks."""
     from vime.broker.client import query_status
@@ -750,7 +885,10 @@ def summarize(
     staleness = shape["max_staleness"] if args.max_staleness is None else args.max_staleness
     gbytes = group_bytes(shape_name)
     decoded_bytes = group_decoded_bytes(shape_name)
-    rss_bound_kib = measured["baseline_rss_kib"] + (staleness + 1) * rbs * decoded_bytes // 1024
+    buffer_only_bound_kib = measured["baseline_rss_kib"] + (staleness + 1) * rbs * decoded_bytes // 1024
+    peers = args.rollout_workers + args.reward_workers + 1  # and the trainer
+    peer_kib = args.zmq_peer_steady_kib
+    rss_bound_kib = buffer_only_bound_kib + (0 if peer_kib is None else peers * peer_kib)
     broker_latency = [b - a for a, b in zip(measured["latency_counts"][0], measured["latency_counts"][1])]
     checks = {
         "groups_lost_zero": status["groups_lost"] == 0,
@@ -784,6 +922,9 @@ def summarize(
         "broker_peak_rss_mib": round(measured["peak_rss_kib"] / 1024, 1),
         "broker_baseline_rss_mib": round(measured["baseline_rss_kib"] / 1024, 1),
         "broker_rss_bound_mib": round(rss_bound_kib / 1024, 1),
+        "broker_rss_bound_buffer_only_mib": round(buffer_only_bound_kib / 1024, 1),
+        "zmq_peer_steady_kib": peer_kib,
+        "zmq_peers": peers,
         "rss_within_bound": measured["peak_rss_kib"] <= rss_bound_kib,
         "broker_rss_growth_second_half_mib": round((measured["end_rss_kib"] - measured["mid_rss_kib"]) / 1024, 1),
         "group_bytes": gbytes,
@@ -851,7 +992,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-journal", action="store_true", help="run the broker without its journal (for comparison)")
     p.add_argument("--run-dir", default=None, help="default: a temporary directory")
     p.add_argument("--profile-broker", default=None, help="cProfile the broker's loop into PATH.<shape>-<load>.prof")
+    p.add_argument("--no-pipe-probe", action="store_true",
+                   help="skip measuring libzmq's per-peer cost: the RSS bound then counts buffered groups only")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe-router", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe-dealers", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -859,6 +1004,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.client is not None:
         Client(json.loads(args.client)).run()
+        return {}
+    if args.probe_router is not None:
+        probe_router(args.probe_router)
+        return {}
+    if args.probe_dealers is not None:
+        probe_dealers(**json.loads(args.probe_dealers))
         return {}
     if args.quick:
         args.rollout_workers, args.reward_workers = min(args.rollout_workers, 20), min(args.reward_workers, 4)
@@ -869,6 +1020,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if line.startswith("model name")), "unknown")  # fmt: skip
     print(f"broker scale: {args.rollout_workers} rollout + {args.reward_workers} reward workers, {args.client_procs} client "
           f"processes, {os.cpu_count()} CPUs ({cpu}), window {args.duration_s} s after {args.warmup_s} s")  # fmt: skip
+    peers = args.rollout_workers + args.reward_workers + 1
+    probe = None if args.no_pipe_probe else zmq_peer_steady_kib(peers)
+    args.zmq_peer_steady_kib = None if probe is None else probe["zmq_peer_steady_kib"]
+    if probe is None:
+        print("zmq pipe probe skipped (--no-pipe-probe): the RSS bound is baseline + admission limit x decoded group "
+              "only, without libzmq's steady-state cost per peer")  # fmt: skip
+    else:
+        print(f"zmq pipe probe: {probe['zmq_peer_steady_kib']} KiB per peer at steady state ({peers} peers: ROUTER RSS "
+              f"{probe['router_baseline_rss_mib']} -> {probe['router_steady_rss_mib']} MiB over {probe['messages_per_peer']} "
+              f"messages per peer each way, {'flat' if probe['plateaued'] else 'NOT flat'}; {probe['seconds']} s)")  # fmt: skip
     print(HEADER)
     points = [p for name in args.shapes.split(",") for p in run_shape(args, name.strip())]
     demo = [p for p in points if p["shape"] == points[0]["shape"]]
@@ -893,6 +1054,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "broker_peak_rss_mib": max(p["broker_peak_rss_mib"] for p in points),
         "rss_within_bound": all(p["rss_within_bound"] for p in points),
         "broker_rss_growth_second_half_mib": max(p["broker_rss_growth_second_half_mib"] for p in points),
+        "zmq_peer_steady_kib": args.zmq_peer_steady_kib,
+        "zmq_pipe_probe": probe,
         "groups_lost": sum(p["groups_lost"] for p in points),
         "groups_trained": sum(p["groups_trained_total"] for p in points),
         "ok": all(p["ok"] for p in points),

@@ -27,6 +27,7 @@ def test_quick_broker_scale_run_moves_groups_end_to_end_and_accounts_for_every_c
     assert summary["rollout_workers"] == 20 and summary["reward_workers"] == 4
     assert summary["groups_trained"] > 0
     assert summary["groups_lost"] == 0
+    assert summary["zmq_pipe_probe"]["peers"] == 25 and summary["zmq_peer_steady_kib"] > 0, summary["zmq_pipe_probe"]
     assert {p["load"] for p in summary["points"]} == {"full", "half"}
     for point in summary["points"]:
         assert point["checks"]["groups_lost_zero"] and point["checks"]["trained_twice_zero"], point["checks"]
@@ -38,4 +39,6 @@ def test_quick_broker_scale_run_moves_groups_end_to_end_and_accounts_for_every_c
         assert point["messages_per_s"] > 0 and point["dispatch_samples"] > 0
         assert point["broker_dispatch_samples"] > 0 and point["broker_dispatch_p99_ms"] is not None, point
         assert point["group_decoded_bytes"] > point["group_bytes"], "decoded objects cost more than their bytes"
+        # The bound adds libzmq's per-peer cost (the pipe probe's) to the buffered groups'.
+        assert point["broker_rss_bound_mib"] >= point["broker_rss_bound_buffer_only_mib"], point
     assert summary["ok"]
