@@ -23,7 +23,8 @@ from helpers_engines import freeze_in_flight, started_vllm_engine  # noqa: E402
 from test_rollout_vllm import MAX_LEN, PROMPT, assert_bf16_close, model_dir, publisher, reference_logprobs  # noqa: E402,F401
 from vime.rollout import SamplingConfig, WeightFetchFailed  # noqa: E402
 from vime.rollout.vllm_engine import VllmRolloutEngine  # noqa: E402
-from vime.rollout.vllm_lora import NotAnAdapter, choose_lora_rollout, vllm_lora_rank  # noqa: E402
+from vime.rollout.vllm_lora import NotAnAdapter, choose_lora_rollout, native_lora_engine_args, vllm_lora_rank  # noqa: E402
+from vime.trainer.lora import target_module_names  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj.weight", "v_proj.weight", "down_proj.weight")
@@ -69,6 +70,20 @@ def test_the_rollout_mode_and_rank_vllm_is_given() -> None:
     assert [vllm_lora_rank(r) for r in (1, 4, 8, 16, 17, 320)] == [1, 8, 8, 16, 32, 320]
     with pytest.raises(ValueError, match="largest"):
         vllm_lora_rank(1024)
+
+
+def test_a_native_engine_wraps_the_trainers_target_modules_only(engine, model_dir) -> None:
+    """The engine adapts what the trainer adapts (all-linear: the decoder layers' projections), never the
+    LM head or the embeddings; vLLM 0.26 fails to start a narrow-vocabulary model with those wrapped."""
+    projections = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert target_module_names(str(model_dir), "all-linear") == projections
+    assert target_module_names(str(model_dir), "v_proj,q_proj") == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="not supported"):
+        target_module_names(str(model_dir), "q_proj,lm_head")
+    assert native_lora_engine_args(RANK, ["q_proj"])["lora_target_modules"] == ["q_proj"]
+    with pytest.raises(ValueError, match="target modules"):
+        native_lora_engine_args(RANK, [])
+    assert sorted(engine._llm.vllm_config.lora_config.target_modules) == projections
 
 
 def test_the_first_adapter_waits_for_requests_running_without_one(loop, engine, model_dir, publisher) -> None:

@@ -267,6 +267,7 @@ def build_engine(
     engine_core: str = "auto",
     lora_rank: int | None = None,
     lora_rollout: str = "auto",
+    lora_target_modules: str | list[str] = "all-linear",
 ) -> RolloutEngine:
     """Make (not start) a rollout engine.
 
@@ -282,7 +283,8 @@ def build_engine(
     that sleeping frees it (where the platform supports that; on CPU sleeping only stops the steps).
     `engine_core` (vLLM): "process", "inline" or "auto", where its engine core runs (`VllmRolloutEngine`).
     `lora_rank` (a LoRA run: versions are adapters of that rank) and `lora_rollout` (vLLM: "native",
-    "merge" or "auto", `vime.rollout.vllm_lora`); the transformers engine merges every adapter version.
+    "merge" or "auto", `vime.rollout.vllm_lora`; a native engine adapts only `lora_target_modules`, the
+    trainer's `--target-modules`); the transformers engine merges every adapter version.
     Raises ValueError for an unknown kind and ImportError if vLLM is asked for but missing.
     """
     if kind == "auto":
@@ -296,6 +298,7 @@ def build_engine(
             model_path, engine_args=engine_args, weight_endpoint=weight_endpoint, initial_version=initial_version,
             capture_routing=capture_routing, partial_rollout=partial_rollout, sleep_mode=sleep_mode,
             engine_core=engine_core, lora_rank=lora_rank, lora_rollout=lora_rollout,  # type: ignore[arg-type]
+            lora_target_modules=lora_target_modules,
         )
     if kind == "hf":
         from vime.rollout.hf_engine import HfRolloutEngine

@@ -134,7 +134,8 @@ class VllmRolloutEngine(RolloutEngine):
     `engine_args` go to `AsyncEngineArgs` (unknown names raise ValueError at `start`).
     `fetch_timeout_s` bounds each weight fetch (no publisher, no progress); `warmup=False` skips the
     start-up warm-up (then the first pause may take seconds, see the module docstring). With
-    `lora_rank`, versions are LoRA adapters of that rank, loaded as `lora_rollout` says (`vllm_lora`).
+    `lora_rank`, versions are LoRA adapters of that rank, loaded as `lora_rollout` says (`vllm_lora`);
+    a native engine adapts only `lora_target_modules` (the trainer's `--target-modules`).
     """
 
     def __init__(
@@ -153,11 +154,13 @@ class VllmRolloutEngine(RolloutEngine):
         engine_core: EngineCorePlacement = "auto",
         lora_rank: int | None = None,
         lora_rollout: LoraRollout = "auto",
+        lora_target_modules: str | list[str] = "all-linear",
     ) -> None:
         if lora_rollout not in ("auto", "native", "merge"):
             raise ValueError(f"lora_rollout must be auto, native or merge, got {lora_rollout!r}")
         self._lora_rank = lora_rank or None
         self._lora_rollout_wanted: LoraRollout = lora_rollout
+        self._lora_target_modules = lora_target_modules
         self.lora_rollout: Literal["native", "merge"] | None = None  # resolved at start for a LoRA run
         self._adapters: AdapterVersions | None = None  # native LoRA: the versions' directories
         self._lora_request: Any = None  # native LoRA: vLLM's LoRARequest of the version loaded
@@ -262,7 +265,10 @@ class VllmRolloutEngine(RolloutEngine):
         if self._lora_rank:
             self.lora_rollout = choose_lora_rollout(self._lora_rollout_wanted, current_platform.is_cpu(), self._sleep_mode)
             if self.lora_rollout == "native":
-                args.update(native_lora_engine_args(self._lora_rank))
+                from vime.trainer.lora import target_module_names
+
+                targets = target_module_names(self._model_path, self._lora_target_modules)
+                args.update(native_lora_engine_args(self._lora_rank, targets))
                 self._adapters = AdapterVersions()
         if self._capture_routing:
             if current_platform.is_cpu():

@@ -43,9 +43,16 @@ def vllm_lora_rank(rank: int) -> int:
     raise ValueError(f"lora rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
-def native_lora_engine_args(rank: int) -> dict[str, Any]:
-    """vLLM engine args for one LoRA adapter of `rank`."""
-    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(rank), "max_loras": 1}
+def native_lora_engine_args(rank: int, target_modules: list[str]) -> dict[str, Any]:
+    """vLLM engine args for one LoRA adapter of `rank` on the modules named `target_modules` (the
+    trainer's, `vime.trainer.lora.target_module_names`). Left unrestricted, vLLM would also wrap the
+    LM head and the embeddings, which vime never adapts: extra LoRA work on every token's logits, and
+    vLLM 0.26 fails to start a model whose vocabulary is narrower than its hidden size (its start-up
+    dummy adapter for the head takes the wrong shape)."""
+    if not target_modules:
+        raise ValueError("native LoRA needs the adapter's target modules (q_proj, ...), got none")
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(rank), "max_loras": 1,
+            "lora_target_modules": list(target_modules)}  # fmt: skip
 
 
 def choose_lora_rollout(wanted: LoraRollout, on_cpu: bool, sleep_mode: bool) -> Literal["native", "merge"]:

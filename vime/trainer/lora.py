@@ -241,6 +241,25 @@ def linear_module_names(decoder_layers: list[nn.Module]) -> list[str]:
     return names
 
 
+def target_module_names(model_path: str, target_modules: str | list[str]) -> list[str]:
+    """The module names an adapter for the model at `model_path` adapts, as `apply_lora` resolves them:
+    `target_modules` itself when it names modules, or what `all-linear` finds in the model's decoder
+    layers, built weightless on the meta device from its config (no weights are read). A rollout engine
+    serving the adapter natively wraps only these. Raises ValueError as `parse_target_modules` and
+    `linear_module_names` do, and OSError when the model's config cannot be read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.trainer.decoder_layers import decoder_layers
+
+    targets = parse_target_modules(target_modules)
+    if targets != ALL_LINEAR:
+        return sorted({name.rpartition(".")[2] for name in targets})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return linear_module_names(decoder_layers(model))
+
+
 def merged_named_tensors(adapter: LoraAdapter, gather: Callable[[Tensor], Tensor]) -> Iterator[tuple[str, Tensor]]:
     """(base model parameter name, full tensor) with the adapter merged into every adapted weight:
     W + (B @ A) * scaling, computed in float32 (the master weights' dtype) on the parameters' device.

@@ -70,6 +70,7 @@ from vime.trainer import losses
 from vime.trainer import estimators, varlen_attention
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
+from vime.trainer.decoder_layers import decoder_layers
 from vime.trainer.batch import MicroBatch, RolloutBatch, SampleRecord, _ranges
 from vime.trainer.fused_head import head_logprobs_and_entropy
 from vime.trainer.lora import AdapterExport, AdapterOffView, LoraAdapter, LoraSettings, apply_lora, merged_named_tensors
@@ -270,7 +271,7 @@ class TorchTrainer(PolicyTrainer):
         lora = cfg.lora_settings()
         self.lora: LoraAdapter | None = None
         if lora is not None:
-            self.lora = apply_lora(self.hf_model, lora, _decoder_layers(self.hf_model))
+            self.lora = apply_lora(self.hf_model, lora, decoder_layers(self.hf_model))
         if cfg.torch_compile:
             _compile_layers(self.hf_model)
         self.module = _ResponseLogprobs(self.hf_model, cfg.chunked_head, entropy_grad=cfg.entropy_coef != 0.0)
@@ -343,7 +344,7 @@ class TorchTrainer(PolicyTrainer):
         for wrapper, extra in ((self.module, kwargs), (self.ref_module, {"mesh": mesh})):
             if wrapper is None or isinstance(wrapper, AdapterOffView):  # the view shares the policy's shards
                 continue
-            for layer in _decoder_layers(wrapper.hf):
+            for layer in decoder_layers(wrapper.hf):
                 fully_shard(layer, **extra)
             fully_shard(wrapper, **extra)
 
@@ -772,7 +773,7 @@ def _compile_layers(hf_model: nn.Module) -> None:
     """torch.compile every decoder layer in place: the modules and their parameters stay as they are, so
     DDP, FSDP2, weight export and checkpoints see the same model. Identical layers share one compiled
     graph, and sequence lengths are dynamic, so a new micro-batch shape does not compile again."""
-    for layer in _decoder_layers(hf_model):
+    for layer in decoder_layers(hf_model):
         layer.compile(dynamic=True)
 
 
@@ -780,15 +781,6 @@ def _hf(module: nn.Module) -> nn.Module:
     """The transformers model inside a `_ResponseLogprobs` or a LoRA reference view (hooks attach to its
     routers)."""
     return module.hf if isinstance(module, (_ResponseLogprobs, AdapterOffView)) else module
-
-
-def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard or compile one by one (transformers names them in `_no_split_modules`)."""
-    names = set(getattr(hf_model, "_no_split_modules", None) or [])
-    layers = [m for m in hf_model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"cannot find decoder layers of {type(hf_model).__name__} (to shard with FSDP2 or compile)")
-    return layers
 
 
 def _set_config_dtype(path: str, dtype: torch.dtype) -> None:

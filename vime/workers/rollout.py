@@ -363,6 +363,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         kind="vllm" if use_vllm else "hf", model_path=str(cfg.hf_checkpoint), engine_args=engine_args,
         capture_routing=cfg.use_rollout_routing_replay, partial_rollout=cfg.partial_rollout, sleep_mode=cfg.colocate,
         engine_core=cfg.rollout_engine_core, lora_rank=cfg.lora_rank, lora_rollout=cfg.lora_rollout,
+        lora_target_modules=cfg.target_modules,
     )  # fmt: skip
     agent = None
     if cfg.agent_rollout:
