@@ -13,7 +13,10 @@
 # VIME_GPU_RUN_ARGS adds flags to every `vime run` of pipeline and sizes (e.g. "--lora-rank 16 --lr 2e-3");
 # the pipeline's `lora` layout is the torch layout with the CPU demo's LoRA recipe: --lora-rank 16, --lr 2e-3
 # (VIME_GPU_LORA_LR), --rollout-temperature 0.7 (VIME_GPU_LORA_TEMPERATURE; docs/lora.md says why).
-# LoRA needs peft and accelerate: wheels in .vllm-cuda/lora (carry it) are installed into /tmp/vllm-site.
+# LoRA needs peft and accelerate: wheels in .vllm-cuda/lora (carry it) are installed into /tmp/vllm-site;
+# fetch them beside the prepared vLLM with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform any \
+#     -d .vllm-cuda/lora peft==0.21.2 accelerate==1.16.0
 # Parts can be given together (`tests pipeline`); results go to $OUT (or /tmp/vime-gpu) as logs + JSON.
 # To clear the GPU between calls, kill its compute processes by pid (nvidia-smi --query-compute-apps=pid):
 # `pkill -f vime` would also match the calling shell, whose command line names this checkout.
