@@ -22,6 +22,19 @@ def test_flags_override_yaml_and_vllm_args_pass_through(tmp_path: Path) -> None:
     assert cfg.vllm == {"dtype": "bfloat16", "max_model_len": 128, "enforce_eager": True}
 
 
+def test_a_kv_cache_size_flag_replaces_the_files_other_kv_cache_size(tmp_path: Path) -> None:
+    """vLLM obeys kv_cache_memory_bytes over gpu_memory_utilization: a flag giving the cache size one way
+    drops the config file's other way, instead of being overruled by it."""
+    path = write(tmp_path, "vllm:\n  max_model_len: 64\n  kv_cache_memory_bytes: 67108864\n")
+    cfg, _ = parse_config(["--config", str(path), "--vllm-gpu-memory-utilization", "0.35"])
+    assert cfg.vllm == {"max_model_len": 64, "gpu_memory_utilization": 0.35}
+    path = write(tmp_path, "vllm:\n  gpu-memory-utilization: 0.9\n  dtype: bfloat16\n")
+    cfg, _ = parse_config(["--config", str(path), "--vllm-kv-cache-memory-bytes", "1048576"])
+    assert cfg.vllm == {"dtype": "bfloat16", "kv_cache_memory_bytes": 1048576}
+    cfg, _ = parse_config(["--config", str(path), "--vllm-max-model-len", "128"])  # other flags keep the file's size
+    assert cfg.vllm == {"gpu-memory-utilization": 0.9, "dtype": "bfloat16", "max_model_len": 128}
+
+
 def test_unknown_flag_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_config(["--rollout-batch-sise", "8"])

@@ -660,6 +660,18 @@ def split_vllm_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     return rest, vllm_args
 
 
+def _without_other_kv_cache_sizes(from_file: dict[str, Any], from_flags: dict[str, Any]) -> dict[str, Any]:
+    """The file's vLLM args less its KV-cache size when the flags give the size the other way: vLLM obeys
+    kv_cache_memory_bytes over gpu_memory_utilization, so `--vllm-gpu-memory-utilization 0.35` on top of
+    a config that fixes 64 MiB of cache would otherwise be ignored without a word."""
+    from vime.rollout.vllm_environment import KV_CACHE_SIZE_ARGS
+
+    flagged = KV_CACHE_SIZE_ARGS & {str(k).replace("-", "_") for k in from_flags}
+    if not flagged:
+        return from_file
+    return {k: v for k, v in from_file.items() if str(k).replace("-", "_") not in KV_CACHE_SIZE_ARGS - flagged}
+
+
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> VimeConfig:
     """Load YAML (keys with dashes or underscores) and apply overrides; ConfigError names what's wrong."""
     data: dict[str, Any] = {}
@@ -675,7 +687,7 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> V
         data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     for key, value in (overrides or {}).items():
         if key == "vllm":
-            data["vllm"] = {**(data.get("vllm") or {}), **value}
+            data["vllm"] = {**_without_other_kv_cache_sizes(data.get("vllm") or {}, value), **value}
         elif value is not None:
             data[key] = value
     try:
