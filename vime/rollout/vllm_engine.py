@@ -845,12 +845,13 @@ class VllmRolloutEngine(RolloutEngine):
         async def load(llm: Any, positions: Any = None) -> None:
             from vllm.lora.request import LoRARequest
 
-            request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True)
             try:
-                await llm.add_lora(request)
+                await llm.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True))
             except Exception as exc:
                 raise WeightUpdateError(f"vLLM could not load adapter version {fetched.version}; restart the engine: {exc}") from exc
-            self._lora_request = request
+            # What requests carry must not say load_inplace: vLLM's workers reload an in-place adapter
+            # from disk at every step that schedules a request carrying it.
+            self._lora_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(adapters.make_current(directory)))
             await self._mark_version(llm, int(fetched.version), positions)
 
         status = {"version": fetched.version, "nbytes": fetched.nbytes, "fetch_s": fetched.seconds, "transport": "lora"}

@@ -14,6 +14,7 @@ error surfaces as OSError; the folder is removed by `close()` (and with the proc
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -69,12 +70,17 @@ def choose_lora_rollout(wanted: LoraRollout, on_cpu: bool, sleep_mode: bool) -> 
 
 class AdapterVersions:
     """Adapter versions written as peft directories for vLLM to load; keeps the last two (the one
-    loaded and the one being loaded), removes older ones."""
+    loaded and the one being loaded), removes older ones.
+
+    `current` is a fixed path (a symbolic link) to the version the engine has loaded, for the
+    `LoRARequest` that generation requests carry: a request lives across updates, and should vLLM ever
+    read its adapter from disk again, the fixed path gives it the engine's version, never a removed one."""
 
     def __init__(self, root: Path | None = None) -> None:
         shm = Path("/dev/shm")
         parent = root or (shm if shm.is_dir() else None)
         self.root = Path(tempfile.mkdtemp(prefix="vime-lora-", dir=parent))
+        self.current = self.root / "current"
         self._written: list[Path] = []
 
     def write(self, version: int, tensors: list[tuple[str, torch.Tensor]], config: dict[str, Any] | None) -> Path:
@@ -93,6 +99,15 @@ class AdapterVersions:
         while len(self._written) > 2:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return directory
+
+    def make_current(self, directory: Path) -> Path:
+        """Point `current` at `directory` (one atomic rename, so a reader sees the old version or the new
+        one); returns `current`."""
+        link = self.root / "current.next"
+        link.unlink(missing_ok=True)
+        link.symlink_to(directory.name)
+        os.replace(link, self.current)
+        return self.current
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
