@@ -43,18 +43,22 @@ Figures (over the measured window, after `--warmup-s`):
 - broker RSS: peak (VmHWM) and its bound, the sum of
   - the baseline: the RSS with every worker connected and nothing generated;
   - peers (rollout + reward workers + the trainer) x libzmq's steady-state memory per connected peer. A
-    connection's memory in libzmq grows with the messages it has carried, whatever their size, for the
-    first few hundred, then stays flat (~56 KiB per peer): a per-connection cost, not buffered data. It
+    connection's memory in libzmq grows with the messages it has carried for the first few hundred, then
+    stays flat (~62 KiB per peer with the demo's messages): a per-connection cost, not buffered data. It
     fits libzmq's pipes, which queue messages in chunks of 256 64-byte slots and keep an emptied chunk
-    for reuse, touching two chunks per direction. The baseline is taken before that cost is reached, so
-    the bench measures it once per invocation (`zmq_peer_steady_kib`): a ROUTER made as the broker makes
-    its own, in a process of its own, echoes as many DEALERs as the bench has peers, one message in
-    flight per peer, until two successive rounds of 100 messages per peer each move its RSS by under 1 %
-    of its growth so far; the growth over its RSS after the first message, divided by the peers;
+    for reuse, touching two chunks per direction, and its per-connection batch buffers (8 KiB to send;
+    8 KiB plus a 10 KiB table of message headers to receive), touched as far as the largest read or write
+    has reached, so it also grows with the size of the messages. The baseline is taken before that cost
+    is reached, so the bench measures it once per invocation and message size (`zmq_peer_steady_kib`): a
+    ROUTER made as the broker makes its own, in a process of its own, echoes as many DEALERs as the bench
+    has peers, one message in flight per peer: first one handshake-sized message (100 bytes: what the
+    baseline has seen), then rounds of 100 messages per peer as large as the shape's group on the wire
+    (capped at libzmq's 8 KiB batch) until two successive rounds each move its RSS by under 1 % of its
+    growth so far; the growth over its RSS after the first message, divided by the peers;
   - the admission limit ((max_staleness + 1) x rollout_batch_size groups; every generated group the
     broker can hold at once) times the bytes of one decoded group.
-  `--no-pipe-probe` skips the probe (~16 s for 1,101 peers); the bound is then baseline + admission
-  only, as `broker_rss_bound_buffer_only_mib` always is.
+  `--no-pipe-probe` skips the probe (~30 s per message size for 1,101 peers); the bound is then baseline +
+  admission only, as `broker_rss_bound_buffer_only_mib` always is.
 
 Correctness checked at the end of every run: the broker's `groups_lost` == 0 and `groups_trained_twice`
 == 0, the trainer trained groups, no ErrorReply reached a worker, and every credit a worker granted is
@@ -578,7 +582,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 # --- libzmq's cost per connected peer ---------------------------------------------------------------
 
-PROBE_MESSAGE_BYTES = 100  # its size hardly matters: 10 B to 8 KB gave 56-59 KiB per peer (200 peers)
+# The first message each way is the size of the handshake the bench's baseline has seen (Hello is 61 bytes,
+# Welcome a few hundred); the rounds after it carry messages as large as a group on the wire, up to libzmq's
+# 8 KiB receive and send batches (a larger message bypasses them). Each connection's batch buffers (8 KiB
+# to send; 8 KiB plus a 10 KiB table of message headers to receive) are touched only as far as the largest
+# read or write has reached, so 100-byte rounds leave part of them out: 56.5 KiB per peer at 1,101 peers,
+# against 61.2-62.6 KiB (4 runs) with 1,891-byte rounds after a 100-byte first message (the demo's group).
+PROBE_HANDSHAKE_BYTES = 100
+PROBE_BATCH_BYTES = 8192  # libzmq's ZMQ_IN_BATCH_SIZE / ZMQ_OUT_BATCH_SIZE defaults
 PROBE_ROUND_MESSAGES = 100  # messages per peer each way between two RSS readings
 PROBE_MAX_MESSAGES = 2_000
 PROBE_TOLERANCE = 0.01
@@ -610,10 +621,11 @@ def probe_router(address: str) -> None:
     context.term()
 
 
-def probe_dealers(address: str, peers: int, message_bytes: int) -> None:
+def probe_dealers(address: str, peers: int, message_bytes: int, first_bytes: int = PROBE_HANDSHAKE_BYTES) -> None:
     """The probe's peers, DEALERs as the simulated workers make them. On "round K" each sends K messages
-    and waits for their echoes, one in flight per peer at a time: a pipe never holds more than one
-    message, so what the ROUTER's RSS gains is what a connection costs, not queued data."""
+    (the first of all `first_bytes` long, the rest `message_bytes`) and waits for their echoes, one in
+    flight per peer at a time: a pipe never holds more than one message, so what the ROUTER's RSS gains is
+    what a connection costs, not queued data."""
     import zmq
 
     context = zmq.Context(io_threads=1)
@@ -626,12 +638,14 @@ def probe_dealers(address: str, peers: int, message_bytes: int) -> None:
         sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a stuck ROUTER ends the probe (zmq.Again) instead of hanging it
         sock.connect(address)
         sockets.append(sock)
-    payload = b"x" * message_bytes
+    payload, first = b"x" * message_bytes, b"x" * first_bytes
+    sent = 0
     _say({"event": "connected"})
     for line in sys.stdin:
         for _ in range(int(line.split()[1])):
             for sock in sockets:
-                sock.send(payload)
+                sock.send(first if sent == 0 else payload)
+            sent += 1
             for sock in sockets:
                 sock.recv()
         _say({"event": "round_done"})
@@ -640,11 +654,18 @@ def probe_dealers(address: str, peers: int, message_bytes: int) -> None:
     context.term()
 
 
-def zmq_peer_steady_kib(peers: int, message_bytes: int = PROBE_MESSAGE_BYTES) -> dict[str, Any]:
-    """libzmq's memory per connected peer once its pipes have reached steady state, in a ROUTER process
-    of its own with `peers` DEALERs: the ROUTER's RSS after one message per peer each way (what the
-    bench's baseline sees), then after rounds of `PROBE_ROUND_MESSAGES` more until two successive rounds
-    each change it by under `PROBE_TOLERANCE` of its growth so far; that growth divided by `peers`."""
+def probe_message_bytes(shape_name: str) -> int:
+    """The size of the probe's messages after the first for a shape: its group on the wire, up to libzmq's
+    batch size (`PROBE_BATCH_BYTES`)."""
+    return min(group_bytes(shape_name), PROBE_BATCH_BYTES)
+
+
+def zmq_peer_steady_kib(peers: int, message_bytes: int, first_bytes: int = PROBE_HANDSHAKE_BYTES) -> dict[str, Any]:
+    """libzmq's memory per connected peer once its pipes and batch buffers have reached steady state, in
+    a ROUTER process of its own with `peers` DEALERs: the ROUTER's RSS after one handshake-sized message
+    per peer each way (what the bench's baseline sees), then after rounds of `PROBE_ROUND_MESSAGES` more
+    of `message_bytes` until two successive rounds each change it by under `PROBE_TOLERANCE` of its
+    growth so far; that growth divided by `peers`."""
     started = time.monotonic()
     address = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
@@ -657,7 +678,8 @@ def zmq_peer_steady_kib(peers: int, message_bytes: int = PROBE_MESSAGE_BYTES) ->
     procs = [router]
     try:
         _expect(router, "bound", timeout_s=60)
-        dealers = spawn("--probe-dealers", json.dumps({"address": address, "peers": peers, "message_bytes": message_bytes}))
+        spec = {"address": address, "peers": peers, "message_bytes": message_bytes, "first_bytes": first_bytes}
+        dealers = spawn("--probe-dealers", json.dumps(spec))
         procs.append(dealers)
         _expect(dealers, "connected", timeout_s=120)
 
@@ -688,6 +710,7 @@ def zmq_peer_steady_kib(peers: int, message_bytes: int = PROBE_MESSAGE_BYTES) ->
     return {
         "peers": peers,
         "message_bytes": message_bytes,
+        "first_message_bytes": first_bytes,
         "zmq_peer_steady_kib": round(max(0, steady_kib - baseline_kib) / peers, 1),
         "router_baseline_rss_mib": round(baseline_kib / 1024, 1),
         "router_steady_rss_mib": round(steady_kib / 1024, 1),
@@ -887,7 +910,7 @@ def summarize(
     decoded_bytes = group_decoded_bytes(shape_name)
     buffer_only_bound_kib = measured["baseline_rss_kib"] + (staleness + 1) * rbs * decoded_bytes // 1024
     peers = args.rollout_workers + args.reward_workers + 1  # and the trainer
-    peer_kib = args.zmq_peer_steady_kib
+    peer_kib = args.zmq_peer_steady_kib.get(shape_name)
     rss_bound_kib = buffer_only_bound_kib + (0 if peer_kib is None else peers * peer_kib)
     broker_latency = [b - a for a, b in zip(measured["latency_counts"][0], measured["latency_counts"][1])]
     checks = {
@@ -1021,17 +1044,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"broker scale: {args.rollout_workers} rollout + {args.reward_workers} reward workers, {args.client_procs} client "
           f"processes, {os.cpu_count()} CPUs ({cpu}), window {args.duration_s} s after {args.warmup_s} s")  # fmt: skip
     peers = args.rollout_workers + args.reward_workers + 1
-    probe = None if args.no_pipe_probe else zmq_peer_steady_kib(peers)
-    args.zmq_peer_steady_kib = None if probe is None else probe["zmq_peer_steady_kib"]
-    if probe is None:
+    shapes = [name.strip() for name in args.shapes.split(",")]
+    # One probe per message size the shapes need (the demo's 1,891 bytes; 30b-a3b's groups fill the 8 KiB batch).
+    by_size: dict[int, dict[str, Any]] = {}
+    probes: dict[str, dict[str, Any]] = {}
+    if args.no_pipe_probe:
         print("zmq pipe probe skipped (--no-pipe-probe): the RSS bound is baseline + admission limit x decoded group "
               "only, without libzmq's steady-state cost per peer")  # fmt: skip
-    else:
-        print(f"zmq pipe probe: {probe['zmq_peer_steady_kib']} KiB per peer at steady state ({peers} peers: ROUTER RSS "
-              f"{probe['router_baseline_rss_mib']} -> {probe['router_steady_rss_mib']} MiB over {probe['messages_per_peer']} "
-              f"messages per peer each way, {'flat' if probe['plateaued'] else 'NOT flat'}; {probe['seconds']} s)")  # fmt: skip
+    for name in [] if args.no_pipe_probe else shapes:
+        size = probe_message_bytes(name)
+        if size not in by_size:
+            probe = by_size[size] = zmq_peer_steady_kib(peers, size)
+            print(f"zmq pipe probe: {probe['zmq_peer_steady_kib']} KiB per peer at steady state ({peers} peers, "
+                  f"{probe['first_message_bytes']}-byte then {size}-byte messages: ROUTER RSS {probe['router_baseline_rss_mib']} -> "
+                  f"{probe['router_steady_rss_mib']} MiB over {probe['messages_per_peer']} messages per peer each way, "
+                  f"{'flat' if probe['plateaued'] else 'NOT flat'}; {probe['seconds']} s)")  # fmt: skip
+        probes[name] = by_size[size]
+    args.zmq_peer_steady_kib = {name: probe["zmq_peer_steady_kib"] for name, probe in probes.items()}
     print(HEADER)
-    points = [p for name in args.shapes.split(",") for p in run_shape(args, name.strip())]
+    points = [p for name in shapes for p in run_shape(args, name)]
     demo = [p for p in points if p["shape"] == points[0]["shape"]]
     by_load = {p["load"]: p for p in demo}
     summary = {
@@ -1054,8 +1085,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "broker_peak_rss_mib": max(p["broker_peak_rss_mib"] for p in points),
         "rss_within_bound": all(p["rss_within_bound"] for p in points),
         "broker_rss_growth_second_half_mib": max(p["broker_rss_growth_second_half_mib"] for p in points),
-        "zmq_peer_steady_kib": args.zmq_peer_steady_kib,
-        "zmq_pipe_probe": probe,
+        "zmq_peer_steady_kib": args.zmq_peer_steady_kib.get(shapes[0]),
+        "zmq_pipe_probe": probes.get(shapes[0]),
+        "zmq_pipe_probes": probes,
         "groups_lost": sum(p["groups_lost"] for p in points),
         "groups_trained": sum(p["groups_trained_total"] for p in points),
         "ok": all(p["ok"] for p in points),

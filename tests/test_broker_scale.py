@@ -28,6 +28,10 @@ def test_quick_broker_scale_run_moves_groups_end_to_end_and_accounts_for_every_c
     assert summary["groups_trained"] > 0
     assert summary["groups_lost"] == 0
     assert summary["zmq_pipe_probe"]["peers"] == 25 and summary["zmq_peer_steady_kib"] > 0, summary["zmq_pipe_probe"]
+    # The probe's baseline message is handshake-sized, the rest as large as the shape's group on the wire
+    # (libzmq's batch buffers are touched as far as the largest message reaches).
+    probe = summary["zmq_pipe_probes"]["demo"]
+    assert probe["first_message_bytes"] == 100 and probe["message_bytes"] == summary["points"][0]["group_bytes"], probe
     assert {p["load"] for p in summary["points"]} == {"full", "half"}
     for point in summary["points"]:
         assert point["checks"]["groups_lost_zero"] and point["checks"]["trained_twice_zero"], point["checks"]
