@@ -336,3 +336,62 @@ def test_a_worker_whose_broker_vanished_raises_broker_gone_instead_of_blocking_o
 
     message = asyncio.run(scenario())
     assert "could not send Heartbeat to the broker at tcp://127.0.0.1:" in message and "0.5 s" in message
+
+
+def test_a_worker_that_held_its_own_loop_is_not_fooled_into_broker_gone() -> None:
+    """A step that blocks the event loop longer than broker_timeout_s (a first compile on a slow machine)
+    is the worker's own deafness: the broker answers the heartbeat sent on waking, and the loop goes
+    on. A broker that then stops answering is still found silent within broker_timeout_s."""
+    import zmq
+
+    from vime.broker.client import BrokerClient, BrokerGone
+    from vime.protocol.messages import Heartbeat, HeartbeatAck
+
+    port = free_port()
+    answering = threading.Event()
+    answering.set()
+    stop = threading.Event()
+
+    def broker() -> None:
+        with bare_context() as ctx:
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(f"tcp://127.0.0.1:{port}")
+            while not stop.is_set():
+                if router.poll(50):
+                    peer, *frames = router.recv_multipart()
+                    if answering.is_set() and isinstance(decode(frames), Heartbeat):
+                        router.send_multipart([peer, *encode(HeartbeatAck(weight_version=0, weight_endpoint=None))])
+            router.close(linger=0)
+
+    async def scenario() -> float:
+        client = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", broker_timeout_s=0.5)
+
+        async def listen() -> None:
+            while True:
+                await client.recv()
+
+        listener = asyncio.create_task(listen())
+        beats = asyncio.create_task(client.heartbeat_loop(0.05, lambda: Heartbeat()))
+        try:
+            await asyncio.sleep(0.3)
+            time.sleep(1.0)  # the worker's own step holds the loop twice broker_timeout_s
+            await asyncio.sleep(0.8)
+            assert not beats.done(), "a worker's own stall was taken for a silent broker"
+            answering.clear()
+            silent_from = time.monotonic()
+            with pytest.raises(BrokerGone, match="no message from broker"):
+                await asyncio.wait_for(beats, 5)
+            return time.monotonic() - silent_from
+        finally:
+            listener.cancel()
+            beats.cancel()
+            client.close()
+
+    thread = threading.Thread(target=broker, daemon=True)
+    thread.start()
+    try:
+        noticed_after = asyncio.run(scenario())
+    finally:
+        stop.set()
+        thread.join(5)
+    assert noticed_after < 2.0

@@ -153,11 +153,20 @@ class BrokerClient:
             raise BrokerGone(str(exc)) from None
 
     async def heartbeat_loop(self, interval_s: float, state: Callable[[], Heartbeat]) -> None:
-        """Send heartbeats forever; raise BrokerGone when the broker has been silent too long."""
+        """Send heartbeats forever; raise BrokerGone when the broker has been silent too long.
+
+        Silence counts only while this process could hear: when its own work held the event loop (a
+        trainer's first step compiling for minutes on a slow machine), nothing was sent or read, so the
+        count starts again at the heartbeat sent on waking, not at the last message read before."""
+        listening_since = time.monotonic()
         while True:
             await self.send(state())
+            asleep = time.monotonic()
             await asyncio.sleep(interval_s)
-            if time.monotonic() - self.last_heard > self.broker_timeout_s:
+            now = time.monotonic()
+            if now - asleep > 2 * interval_s:  # the loop was held far past the nap: deaf, not ignored
+                listening_since = now
+            if now - max(self.last_heard, listening_since) > self.broker_timeout_s:
                 raise BrokerGone(f"no message from broker at {self.address} for {self.broker_timeout_s:.0f} s")
 
     async def bye(self, reason: str, timeout_s: float = 1.0) -> None:
