@@ -339,9 +339,10 @@ def test_a_worker_whose_broker_vanished_raises_broker_gone_instead_of_blocking_o
 
 
 def test_a_worker_that_held_its_own_loop_is_not_fooled_into_broker_gone() -> None:
-    """A step that blocks the event loop longer than broker_timeout_s (a first compile on a slow machine)
-    is the worker's own deafness: the broker answers the heartbeat sent on waking, and the loop goes
-    on. A broker that then stops answering is still found silent within broker_timeout_s."""
+    """A worker busy longer than broker_timeout_s (a first compile on a slow machine) is deaf, not
+    ignored: answers waiting unread in the socket count as heard, and a step that held the event loop
+    itself is followed by a heartbeat the broker answers. A broker that then stops answering is still
+    found silent within broker_timeout_s."""
     import zmq
 
     from vime.broker.client import BrokerClient, BrokerGone
@@ -370,8 +371,10 @@ def test_a_worker_that_held_its_own_loop_is_not_fooled_into_broker_gone() -> Non
             while True:
                 await client.recv()
 
-        listener = asyncio.create_task(listen())
         beats = asyncio.create_task(client.heartbeat_loop(0.05, lambda: Heartbeat()))
+        await asyncio.sleep(1.2)  # busy in a thread for twice broker_timeout_s: the answers wait unread
+        assert not beats.done(), "answers waiting unread were taken for a silent broker"
+        listener = asyncio.create_task(listen())
         try:
             await asyncio.sleep(0.3)
             time.sleep(1.0)  # the worker's own step holds the loop twice broker_timeout_s

@@ -155,18 +155,21 @@ class BrokerClient:
     async def heartbeat_loop(self, interval_s: float, state: Callable[[], Heartbeat]) -> None:
         """Send heartbeats forever; raise BrokerGone when the broker has been silent too long.
 
-        Silence counts only while this process could hear: when its own work held the event loop (a
-        trainer's first step compiling for minutes on a slow machine), nothing was sent or read, so the
-        count starts again at the heartbeat sent on waking, not at the last message read before."""
-        listening_since = time.monotonic()
+        Silence is the broker's only while this process could hear it. A worker busy for minutes (a
+        trainer's first step compiling on a slow machine) reads nothing meanwhile: the broker's answers
+        wait in the socket, unread, and count as heard; and when that work held the event loop itself,
+        nothing was even sent, so the count starts again at the heartbeat sent on waking."""
+        alive_at = time.monotonic()  # the last moment the broker is known to have been there
         while True:
             await self.send(state())
             asleep = time.monotonic()
             await asyncio.sleep(interval_s)
             now = time.monotonic()
             if now - asleep > 2 * interval_s:  # the loop was held far past the nap: deaf, not ignored
-                listening_since = now
-            if now - max(self.last_heard, listening_since) > self.broker_timeout_s:
+                alive_at = now
+            elif self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # it spoke; this worker has not read it yet
+                alive_at = now
+            if now - max(self.last_heard, alive_at) > self.broker_timeout_s:
                 raise BrokerGone(f"no message from broker at {self.address} for {self.broker_timeout_s:.0f} s")
 
     async def bye(self, reason: str, timeout_s: float = 1.0) -> None:
