@@ -664,12 +664,12 @@ def _without_other_kv_cache_sizes(from_file: dict[str, Any], from_flags: dict[st
     """The file's vLLM args less its KV-cache size when the flags give the size the other way: vLLM obeys
     kv_cache_memory_bytes over gpu_memory_utilization, so `--vllm-gpu-memory-utilization 0.35` on top of
     a config that fixes 64 MiB of cache would otherwise be ignored without a word."""
-    from vime.rollout.vllm_environment import KV_CACHE_SIZE_ARGS
+    from vime.rollout.vllm_environment import KV_CACHE_SIZE_ARGS, engine_arg_name
 
-    flagged = KV_CACHE_SIZE_ARGS & {str(k).replace("-", "_") for k in from_flags}
+    flagged = KV_CACHE_SIZE_ARGS & {engine_arg_name(k) for k in from_flags}
     if not flagged:
         return from_file
-    return {k: v for k, v in from_file.items() if str(k).replace("-", "_") not in KV_CACHE_SIZE_ARGS - flagged}
+    return {k: v for k, v in from_file.items() if engine_arg_name(k) not in KV_CACHE_SIZE_ARGS - flagged}
 
 
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> VimeConfig:
