@@ -1,8 +1,9 @@
 """`vime slurm`: the host layout, the rendered sbatch script, and endpoints other nodes can reach.
 
 No SLURM needed: these check what the script says (and that bash accepts it), the layout's arithmetic
-and its errors, the per-task GPU split of the script's `vime_task` function run under plain bash, and
-the command line. `tests/test_slurm_cluster.py` runs the scripts on a real cluster.
+and its errors, the per-task GPU split of the script's `vime_task` function run under plain bash, how
+the whole script ends the job when its steps exit (plain bash again, with fake srun, scancel and
+scontrol), and the command line. `tests/test_slurm_cluster.py` runs the scripts on a real cluster.
 """
 
 from __future__ import annotations
@@ -206,6 +207,109 @@ def test_vime_task_refuses_a_task_without_enough_gpus() -> None:
     out = run_vime_task(script, "rollout", "4", "4", "4", "true", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
     assert out.returncode == 1
     assert "needs GPUs 8..11 but gpu07 has 8" in out.stderr
+
+
+# --- The watch loop under plain bash: fake srun/scancel/scontrol/getent, steps that exit on cue --------
+
+FAKE_SRUN = r"""#!/bin/bash
+# A step named by --job-name=vime-ROLE sleeps FAKE_<ROLE>'s delay, then exits with its code ("DELAY RC").
+role=
+for arg; do case $arg in --job-name=vime-*) role=${arg#--job-name=vime-} ;; esac; done
+var=FAKE_${role^^}
+read -r delay rc <<<"${!var:-0 0}"
+echo $$ >"$FAKE_STEPS/$role.pid"
+exec >>"$FAKE_STEPS/$role.out" 2>&1  # the real srun writes to --output, not the job's output
+sleep "$delay" &
+sleeper=$!
+trap 'kill $sleeper; echo "$role: SIGTERM"; exit 143' TERM
+wait $sleeper
+echo "$role: exit $rc"
+exit "$rc"
+"""
+
+FAKE_SCANCEL = r"""#!/bin/bash
+# scancel --signal=TERM JOB: SIGTERM to every fake step still running.
+echo "scancel $*" >>"$FAKE_STEPS/scancel.calls"
+for pidfile in "$FAKE_STEPS"/*.pid; do kill -TERM "$(cat "$pidfile")" 2>/dev/null; done
+exit 0
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'node1\nnode2\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3 State=ALLOCATED" ;;
+  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+FAKE_GETENT = r"""#!/bin/bash
+echo "$2        STREAM $2"
+"""
+
+
+def run_job_script(tmp_path: Path, grace_s: int = 10, **steps: str) -> subprocess.CompletedProcess[str]:
+    """Run the rendered job script (CPU demo over two nodes) under plain bash, with fake SLURM commands first
+    on PATH: each step's srun sleeps, then exits, as `steps` says ("DELAY RC" per role; default "0 0")."""
+    cfg = load_config(DEMO, {})
+    layout = plan_layout(cfg, SlurmOptions(trainer_nodes=1, rollout_nodes=1, grace_s=grace_s))
+    run_dir = tmp_path / "run"
+    paths = ScriptPaths(tmp_path, run_dir, run_dir / "config.yaml", tmp_path / "no-bin")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script(layout, paths, job_name="vime-x", generated_by="test", make_demo_model=False))
+    fake_bin, fake_steps = tmp_path / "fake-bin", tmp_path / "fake-steps"
+    fake_steps.mkdir()
+    fake_bin.mkdir()
+    for name, text in [("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("scontrol", FAKE_SCONTROL), ("getent", FAKE_GETENT)]:
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    env = {"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "FAKE_STEPS": str(fake_steps),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]", **{f"FAKE_{role.upper()}": spec for role, spec in steps.items()}}  # fmt: skip
+    # Its own session, so that whatever a broken script leaves running is killed with the group below.
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+# The broker exits 0 once the trainer's last step is in; the trainer then takes a moment to exit.
+FINISHED_BROKER = dict(reward="0.2 0", rollout="0.2 0", broker="0.5 0")
+
+
+def test_job_waits_for_the_trainer_after_the_broker_exits_cleanly(tmp_path: Path) -> None:
+    result = run_job_script(tmp_path, **FINISHED_BROKER, trainer="2.5 0")
+    assert result.returncode == 0, result.stdout
+    assert "vime-slurm: training finished" in result.stdout
+    assert "before training finished" not in result.stdout and "stopping" not in result.stdout
+    assert result.stdout.rstrip().endswith("vime-slurm: job 7 done, exit code 0")
+    assert (tmp_path / "fake-steps" / "trainer.out").read_text() == "trainer: exit 0\n"  # not stopped
+
+
+def test_job_fails_with_the_trainers_code_when_it_fails_after_the_broker_exits(tmp_path: Path) -> None:
+    result = run_job_script(tmp_path, **FINISHED_BROKER, trainer="2.5 3")
+    assert result.returncode == 3, result.stdout
+    assert "vime-slurm: trainer failed with exit code 3" in result.stdout
+    assert "training finished" not in result.stdout
+
+
+def test_job_fails_when_the_trainer_outlives_the_grace_after_the_broker_exits(tmp_path: Path) -> None:
+    result = run_job_script(tmp_path, grace_s=1, **FINISHED_BROKER, trainer="60 0")
+    assert result.returncode == 1, result.stdout
+    assert "vime-slurm: the broker exited (code 0) but the trainer is still running after 1s" in result.stdout
+    assert "vime-slurm: stopping trainer" in result.stdout
+    assert (tmp_path / "fake-steps" / "trainer.out").read_text() == "trainer: SIGTERM\n"  # stopped by scancel
+
+
+def test_job_fails_when_the_broker_fails(tmp_path: Path) -> None:
+    result = run_job_script(tmp_path, reward="0.2 0", rollout="0.2 0", broker="0.5 5", trainer="60 0")
+    assert result.returncode == 5, result.stdout
+    assert "vime-slurm: broker failed with exit code 5" in result.stdout
+    assert (tmp_path / "fake-steps" / "trainer.out").read_text() == "trainer: SIGTERM\n"
 
 
 def test_vime_slurm_prints_the_script_and_reports_bad_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
