@@ -79,7 +79,7 @@ def test_vllm_flag_without_value_is_an_error() -> None:
 
 def test_demo_config_loads() -> None:
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
-    assert cfg.prompt_data == "demo:arithmetic" and cfg.vllm["dtype"] == "bfloat16"
+    assert cfg.prompt_data == "demo:arithmetic" and cfg.vllm["max_model_len"] == 64
 
 
 def test_every_field_has_a_flag() -> None:

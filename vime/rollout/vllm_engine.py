@@ -40,7 +40,7 @@ from vime.rollout.base import (
     WeightUpdateResult,
     versions_from_spans,
 )
-from vime.rollout.vllm_environment import apply_vllm_environment, engine_arg_name
+from vime.rollout.vllm_environment import apply_vllm_environment, cpu_engine_dtype, engine_arg_name
 from vime.rollout.vllm_lora import (
     ADAPTER_ID,
     ADAPTER_NAME,
@@ -247,6 +247,8 @@ class VllmRolloutEngine(RolloutEngine):
             and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
         ):
             args["gpu_memory_utilization"] = CPU_DEFAULT_MEMORY_FRACTION
+        if current_platform.is_cpu():
+            args = cpu_engine_dtype(args)
         args.update(FORCED_ENGINE_ARGS)
         if current_platform.is_cpu() and "distributed_executor_backend" not in args and _one_worker(args):
             from vime.rollout.vllm_cpu_executor import CpuInCoreExecutor

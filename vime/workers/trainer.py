@@ -40,6 +40,7 @@ from vime.protocol.messages import (
     Ack, BatchRequest, CheckpointSaved, EvalResult, Group, Heartbeat, HeartbeatAck, Message, Sample, Shutdown, StepDone,
     TrainBatch, WeightsPublished,
 )
+from vime.rollout.vllm_environment import rollout_weight_dtype
 from vime.security import Security
 from vime.slurm.network import advertised_endpoint
 from vime.trainer.batch import RolloutBatch, SampleRecord, broadcast_batch
@@ -489,7 +490,7 @@ def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     if info.rank == 0:
         check_installed(cfg)  # TrackerNotInstalled now, not after loading the model
     torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, str(cfg.vllm.get("dtype", "bfloat16")))
+    dtype = getattr(torch, rollout_weight_dtype(cfg.vllm, on_cpu=not torch.cuda.is_available()))
     trainer = build_trainer(cfg)
     try:
         resume = resume_point(trainer, cfg)
