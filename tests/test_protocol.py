@@ -20,7 +20,7 @@ from vime.protocol.codec import (
     decode,
     encode,
 )
-from vime.protocol.messages import Credit, Group, GroupScores, GroupsGenerated, GroupsScored, Hello, Sample
+from vime.protocol.messages import Bye, Credit, Group, GroupScores, GroupsGenerated, GroupsScored, Hello, Sample
 
 
 def make_sample(index: int, length: int, version: int = 0) -> Sample:
@@ -151,7 +151,16 @@ def test_limits_on_frames_and_sizes() -> None:
 def test_receiver_can_restrict_accepted_types() -> None:
     with pytest.raises(ProtocolError) as err:
         decode(encode(Credit(n=2)), expect=(Hello,))
+    assert err.value.code == ERROR_UNKNOWN_TYPE and "'credit'" in err.value.detail and "hello" in err.value.detail
+    with pytest.raises(ProtocolError) as err:  # against a union of accepted types as well as a single one
+        decode(encode(Credit(n=2)), expect=(Hello, Bye))
     assert err.value.code == ERROR_UNKNOWN_TYPE
+    # an accepted type with a bad field is invalid, not unknown
+    frames = encode(Credit(n=2))
+    frames[0] = msgspec.msgpack.encode((PROTOCOL_VERSION, {"type": "credit", "n": "two"}))
+    with pytest.raises(ProtocolError) as err:
+        decode(frames, expect=(Hello, Credit))
+    assert err.value.code == ERROR_INVALID
     assert decode(encode(Credit(n=2)), expect=(Hello, Credit)) == Credit(n=2)
 
 

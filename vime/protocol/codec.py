@@ -227,11 +227,11 @@ def decode(
     except msgspec.ValidationError as exc:
         # Only on failure is the header read a second time, generically, so a wrong version or an
         # unknown type is reported as such rather than as whatever field error the typed decode hit.
-        _check_envelope(header)
-        text = str(exc)
-        if "Invalid value" in text and "`$[1].type`" in text:
-            raise ProtocolError(ERROR_UNKNOWN_TYPE, text) from None
-        raise ProtocolError(ERROR_INVALID, text) from None
+        tag = _check_envelope(header)
+        if expect is not None and tag not in {message_tag(cls) for cls in expect}:
+            accepted = sorted(message_tag(cls) for cls in expect)
+            raise ProtocolError(ERROR_UNKNOWN_TYPE, f"message type {tag!r} is not accepted here; accepted: {accepted}") from None
+        raise ProtocolError(ERROR_INVALID, str(exc)) from None
     except msgspec.DecodeError as exc:
         _check_envelope(header)
         raise ProtocolError(ERROR_MALFORMED, str(exc)) from None
@@ -246,8 +246,9 @@ def decode(
 _envelope_decoder = msgspec.msgpack.Decoder(tuple[int, dict[str, Any]])
 
 
-def _check_envelope(header: memoryview) -> None:
-    """Check version and tag first, so those errors say what is wrong rather than a field error."""
+def _check_envelope(header: memoryview) -> str:
+    """Check version and tag first, so those errors say what is wrong rather than a field error; returns
+    the message's tag, one of the known message types."""
     try:
         version, body = _envelope_decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -257,6 +258,7 @@ def _check_envelope(header: memoryview) -> None:
     tag = body.get("type")
     if tag not in message_types():
         raise ProtocolError(ERROR_UNKNOWN_TYPE, f"unknown message type {tag!r}")
+    return tag  # type: ignore[no-any-return]
 
 
 def require(condition: bool, detail: str) -> None:
