@@ -146,11 +146,12 @@ def test_version_source_errors_name_the_missing_piece(monkeypatch) -> None:
 
 
 def test_environment_for_cuda_and_r3_keeps_what_the_user_set(monkeypatch) -> None:
-    for key in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_USE_V2_MODEL_RUNNER"):
+    for key in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(vllm_environment.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(vllm_environment, "v1_runner_captures_routed_experts", lambda: True)
-    assert vllm_environment.vllm_environment(on_cuda=False, capture_routing=False) == {}
+    # the CPU: vLLM's older compile cache, which loads (its AOT artifacts do not)
+    assert vllm_environment.vllm_environment(on_cuda=False, capture_routing=False) == {"VLLM_USE_AOT_COMPILE": "0"}
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     applied = vllm_environment.apply_vllm_environment(on_cuda=True, capture_routing=True)
     assert applied == {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
