@@ -290,6 +290,16 @@ def test_job_waits_for_the_trainer_after_the_broker_exits_cleanly(tmp_path: Path
     assert (tmp_path / "fake-steps" / "trainer.out").read_text() == "trainer: exit 0\n"  # not stopped
 
 
+def test_after_the_broker_exits_one_grace_covers_the_trainer_and_the_rest(tmp_path: Path) -> None:
+    """A rollout worker that does not exit gets what is left of the grace the trainer started, not a second one."""
+    result = run_job_script(tmp_path, grace_s=6, reward="0.2 0", rollout="60 0", broker="0.5 0", trainer="2.5 0")
+    assert result.returncode == 0, result.stdout
+    [waited] = re.findall(r"training finished; waiting up to (\d+)s for the other processes", result.stdout)
+    assert int(waited) < 6, result.stdout
+    assert "vime-slurm: stopping rollout" in result.stdout
+    assert (tmp_path / "fake-steps" / "rollout.out").read_text() == "rollout: SIGTERM\n"
+
+
 def test_job_fails_with_the_trainers_code_when_it_fails_after_the_broker_exits(tmp_path: Path) -> None:
     result = run_job_script(tmp_path, **FINISHED_BROKER, trainer="2.5 3")
     assert result.returncode == 3, result.stdout
