@@ -165,9 +165,8 @@ class BrokerClient:
             asleep = time.monotonic()
             await asyncio.sleep(interval_s)
             now = time.monotonic()
-            if now - asleep > 2 * interval_s:  # the loop was held far past the nap: deaf, not ignored
-                alive_at = now
-            elif self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # it spoke; this worker has not read it yet
+            held = now - asleep > 2 * interval_s  # the loop was held far past the nap: deaf, not ignored
+            if held or self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # or it spoke, and this worker has not read it yet
                 alive_at = now
             if now - max(self.last_heard, alive_at) > self.broker_timeout_s:
                 raise BrokerGone(f"no message from broker at {self.address} for {self.broker_timeout_s:.0f} s")
