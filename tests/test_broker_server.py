@@ -135,8 +135,12 @@ def test_a_broker_killed_during_a_workers_handshake_is_not_a_refusal() -> None:
 
     def die_during_the_handshake_then_restart() -> None:
         connection, _ = listener.accept()
+        # Reset only once the worker's greeting has begun to arrive: its libzmq is then mid-handshake
+        # on any machine (a reset that beat the greeting was reported as a disconnect, not a failure).
+        connection.settimeout(10)
+        assert connection.recv(1)
         connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        connection.close()  # a reset before the greeting: the broker is gone mid-handshake
+        connection.close()  # a reset before the broker's greeting: the broker is gone mid-handshake
         listener.close()
         time.sleep(1.5)  # long enough for the worker to have checked for a refusal several times
         server = BrokerServer(BrokerState(settings, PromptCursor(prompts, shuffle=False, seed=0)), endpoint)
