@@ -9,8 +9,12 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from vime.http_client import HttpClient, HttpClientError, ReplyTooLarge
+
+# A tool's or an environment's answer larger than this is a broken server.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 class ServiceUnavailable(RuntimeError):
@@ -29,17 +33,17 @@ class JsonClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        self._session: aiohttp.ClientSession | None = None
+        self._http: HttpClient | None = None
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
+    def _open(self) -> HttpClient:
+        if self._http is None:
+            self._http = HttpClient({"Content-Type": "application/json", "Accept": "application/json"}, max_reply_bytes=MAX_REPLY_BYTES)
+        return self._http
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(HTTP status < 500, JSON object). Raises ServiceUnavailable when no attempt got an answer, and
@@ -61,11 +65,12 @@ class JsonClient:
 
     async def _attempt(self, url: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
-            async with self._open().post(url, json=payload) as reply:
-                body = await reply.read()
-                status = reply.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+            async with asyncio.timeout(self.timeout_s):
+                status, body = await self._open().post(url, json.dumps(payload).encode())
+        except ReplyTooLarge as exc:
+            raise ValueError(f"{url}: {exc}") from None
+        except (HttpClientError, TimeoutError) as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc or f'no answer within {self.timeout_s}s'}") from None
         if status >= 500 or status == 429:
             raise _Retryable(f"HTTP {status}: {body[:200]!r}")
         try:

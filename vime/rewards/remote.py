@@ -6,8 +6,8 @@ server and the problem (it is left out of training by the broker and counted), n
 never an exception. A sample whose reward cannot be had *because of the server* waits (see Outages).
 
 How a request is made (see `docs/reward-servers.md` for the outcome table):
-- Samples go out one per request (slime) or in batches of `batch_size` (openrlhf, vime) over one pooled
-  aiohttp session (connections are kept alive where the server allows it), each bounded by `timeout_s`.
+- Samples go out one per request (slime) or in batches of `batch_size` (openrlhf, vime) through
+  `vime.http_client` (connections are kept alive where the server allows it), each bounded by `timeout_s`.
 - How many requests are in flight to each server adapts to what it sustains (`vime.rewards.limit`:
   AIMD from `initial_concurrency`, growing while round trips hold, cutting on connect stalls, timeouts
   and overload answers), at most `concurrency` in all. A twenty-line standard-library server and a big
@@ -53,12 +53,19 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import aiohttp
 from purgatory import AsyncCircuitBreakerFactory
 from purgatory.domain.model import OpenedState
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from vime.http_client import (
+    ConnectFailed,
+    ConnectionLost,
+    ConnectTimeout,
+    HttpClient,
+    ReplyTooLarge,
+    RequestTrace,
+)
 from vime.logging import get_logger
 from vime.rewards.limit import AdaptiveLimit, Outcome
 from vime.rewards.outage import ChunkWait, OutageLedger
@@ -161,35 +168,6 @@ class RewardServerError(Exception):
         return self.reached and self.kind != "circuit_open" and self.status not in OVERLOAD_STATUSES
 
 
-class _Trace:
-    """Filled in by aiohttp's trace hooks for one request: was a connection made, and how long it took."""
-
-    __slots__ = ("connect_started", "connect_s", "connected", "quick_retries")
-
-    def __init__(self) -> None:
-        self.connect_started = 0.0
-        self.connect_s: float | None = None
-        self.connected = False
-        self.quick_retries = 0  # connections abandoned because they took longer than the quick connect time
-
-
-async def _on_connect_start(_session: Any, ctx: Any, _params: Any) -> None:
-    if isinstance(ctx.trace_request_ctx, _Trace):
-        ctx.trace_request_ctx.connect_started = time.monotonic()
-
-
-async def _on_connect_end(_session: Any, ctx: Any, _params: Any) -> None:
-    trace = ctx.trace_request_ctx
-    if isinstance(trace, _Trace):
-        trace.connect_s = time.monotonic() - trace.connect_started
-        trace.connected = True
-
-
-async def _on_connect_reuse(_session: Any, ctx: Any, _params: Any) -> None:
-    if isinstance(ctx.trace_request_ctx, _Trace):
-        ctx.trace_request_ctx.connected = True
-
-
 def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, RewardServerError) and exc.retryable
 
@@ -198,14 +176,14 @@ class RemoteReward:
     """Async client for one job's reward servers; use as `async with RemoteReward(settings) as rm`.
 
     Also a `RewardFn` (`await rm(prompt, response, label, metadata)`) for code that scores one sample.
-    Create and use it inside one event loop (the aiohttp session belongs to the loop that opened it).
+    Create and use it inside one event loop (its pooled connections belong to the loop that opened them).
     """
 
     def __init__(self, settings: RemoteRewardSettings) -> None:
         if settings.fmt not in FORMATS:
             raise ValueError(f"unknown reward wire format {settings.fmt!r}; known: {', '.join(FORMATS)}")
         self.settings = settings
-        self._session: aiohttp.ClientSession | None = None
+        self._http: HttpClient | None = None
         self._cap = asyncio.Semaphore(settings.concurrency)
         self.limits: dict[str, AdaptiveLimit] = {
             url: AdaptiveLimit(
@@ -236,30 +214,19 @@ class RemoteReward:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    def _open(self) -> HttpClient:
+        if self._http is None:
             headers = {"Content-Type": "application/json", "Accept": "application/json"}
             if self.settings.token is not None:
                 headers["Authorization"] = f"Bearer {self.settings.token.get_secret_value()}"
-            connector = aiohttp.TCPConnector(limit=self.settings.concurrency, limit_per_host=0, ttl_dns_cache=300)
-            trace = aiohttp.TraceConfig()
-            trace.on_connection_create_start.append(_on_connect_start)
-            trace.on_connection_create_end.append(_on_connect_end)
-            trace.on_connection_reuseconn.append(_on_connect_reuse)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s),
-                raise_for_status=False,
-                trace_configs=[trace],
-            )
-        return self._session
+            self._http = HttpClient(headers, max_reply_bytes=MAX_REPLY_BYTES, max_idle_per_origin=self.settings.concurrency)
+        return self._http
 
     async def aclose(self) -> None:
         """Close the pooled connections; the client reopens them if used again."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     # -- scoring -----------------------------------------------------------------------------------
 
@@ -394,9 +361,10 @@ class RemoteReward:
         return sorted(rotated, key=lambda u: (u == avoid and len(urls) > 1, self._in_flight[u] / self.limits[u].slots))
 
     async def _post(self, url: str, payload: bytes, items: Sequence[ScoreItem]) -> list[RewardResult]:
-        session = self._open()
+        http = self._open()
         limit = self.limits[url]
-        trace = _Trace()
+        trace = RequestTrace()
+        quick_retries = 0
         outcome, started = Outcome.NEUTRAL, None
         self._in_flight[url] += 1
         ticket = None
@@ -406,27 +374,24 @@ class RemoteReward:
                 self.counts["requests"] += 1
                 started = time.monotonic()
                 try:
-                    status, body = await self._exchange(session, url, payload, trace, limit)
-                except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+                    async with asyncio.timeout(self.settings.timeout_s):
+                        status, body, quick_retries = await self._exchange(http, url, payload, trace, limit)
+                except TimeoutError as exc:
                     outcome = Outcome.STALL
                     raise RewardServerError(
                         "timeout", f"reward server {url} did not answer within {self.settings.timeout_s}s",
                         retryable=True, url=url, reached=trace.connected,
                     ) from exc
-                except aiohttp.ClientConnectorError as exc:
+                except ConnectFailed as exc:
                     outcome = Outcome.OVERLOAD  # refused or reset while connecting
-                    raise RewardServerError(
-                        "connection", f"reward server {url}: {type(exc).__name__}: {exc or 'cannot connect'}",
-                        retryable=True, url=url, reached=False,
-                    ) from exc
-                except aiohttp.ClientError as exc:
-                    raise RewardServerError(
-                        "connection", f"reward server {url}: {type(exc).__name__}: {exc or 'connection lost'}",
-                        retryable=True, url=url, reached=trace.connected,
-                    ) from exc
+                    raise RewardServerError("connection", f"reward server {url}: {exc}", retryable=True, url=url, reached=False) from exc
+                except ConnectionLost as exc:
+                    raise RewardServerError("connection", f"reward server {url}: {exc}", retryable=True, url=url, reached=True) from exc
+                except ReplyTooLarge as exc:
+                    raise RewardServerError("bad_reply", f"reward server {url}: {exc}", retryable=False, url=url) from exc
             if status in OVERLOAD_STATUSES:
                 outcome = Outcome.OVERLOAD
-            elif trace.quick_retries:
+            elif quick_retries:
                 outcome = Outcome.STALL  # answered, but a connection stalled first: this level is too high
             elif 200 <= status < 300 or status == 422:  # 422: slime's "this sample cannot be scored"
                 outcome = Outcome.OK
@@ -438,28 +403,21 @@ class RemoteReward:
         return self._interpret(url, status, body, items)
 
     async def _exchange(
-        self, session: aiohttp.ClientSession, url: str, payload: bytes, trace: _Trace, limit: AdaptiveLimit
-    ) -> tuple[int, bytes]:
-        """POST `payload` to `url`: (status, body). A connection that does not open within the quick
-        connect time is abandoned and opened again at once (a SYN dropped by a full listen queue would
-        otherwise wait a second for the kernel's retransmit); the last try waits the whole timeout."""
+        self, http: HttpClient, url: str, payload: bytes, trace: RequestTrace, limit: AdaptiveLimit
+    ) -> tuple[int, bytes, int]:
+        """POST `payload` to `url`: (status, body, quick connect retries). A connection that does not open
+        within the quick connect time is abandoned and opened again at once (a SYN dropped by a full
+        listen queue would otherwise wait a second for the kernel's retransmit); the last try has no
+        connect time of its own, only the request's timeout."""
         quick_s = self._quick_connect_s(limit)
+        quick_retries = 0
         while True:
-            quick = quick_s is not None and trace.quick_retries < self.settings.connect_retries
-            # Not quick: the session's own timeout (passing timeout=None to aiohttp would mean none at all).
-            timeout = {"timeout": aiohttp.ClientTimeout(total=self.settings.timeout_s, sock_connect=quick_s)} if quick else {}
+            quick = quick_s is not None and quick_retries < self.settings.connect_retries
             try:
-                async with session.post(url, data=payload, trace_request_ctx=trace, **timeout) as resp:
-                    if (resp.content_length or 0) > MAX_REPLY_BYTES:
-                        raise RewardServerError(
-                            "bad_reply", f"reward server {url} announced a {resp.content_length}-byte reply "
-                            f"(limit {MAX_REPLY_BYTES})", retryable=False, url=url, status=resp.status,
-                        )  # fmt: skip
-                    return resp.status, await resp.read()
-            except aiohttp.ConnectionTimeoutError:
-                if not quick:
-                    raise
-                trace.quick_retries += 1
+                status, body = await http.post(url, payload, connect_timeout_s=quick_s if quick else None, trace=trace)
+                return status, body, quick_retries
+            except ConnectTimeout:
+                quick_retries += 1
                 self.counts["connect_retries"] += 1
 
     def _quick_connect_s(self, limit: AdaptiveLimit) -> float | None:

@@ -367,7 +367,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
     )  # fmt: skip
     agent = None
     if cfg.agent_rollout:
-        from vime.agent.rollout import AgentRollout  # aiohttp and the user's code: only where asked for
+        from vime.agent.rollout import AgentRollout  # the user's code: only where asked for
 
         agent = AgentRollout.from_config(cfg)  # a bad spec fails here, before the engine starts
     await engine.start()
