@@ -26,6 +26,11 @@ log = get_logger(__name__)
 
 # Sends per loop turn for a broadcast: at ~5-10 us a send, well under a millisecond of a turn.
 BROADCAST_PER_TURN = 64
+# Frames this large go without a copy (the array frames of big groups); smaller ones are copied, which
+# costs less than handing libzmq a reference to release later (pyzmq's own threshold).
+ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+# A plain int: pyzmq's IntFlag arithmetic costs microseconds per frame.
+_SNDMORE = int(zmq.SNDMORE)
 
 
 class Outbox:
@@ -74,8 +79,16 @@ class Outbox:
             self.send_some()
 
     def _send_one(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
+        # Frame by frame rather than send_multipart, whose per-call type checks and flag arithmetic
+        # took 6.5-6.8 us of a two-frame message against 1.6-2.4 us (docs/benchmarks.md). A peer
+        # that is gone fails the first frame, so a failure never leaves half a message queued.
+        send = self.socket.send
+        last = len(frames) - 1
         try:
-            self.socket.send_multipart([identity, *frames], copy=False)
+            send(identity, _SNDMORE)
+            for i, frame in enumerate(frames):
+                size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+                send(frame, 0 if i == last else _SNDMORE, copy=size < ZERO_COPY_BYTES)
         except zmq.ZMQError as exc:
             log.warning("send_failed", peer=identity.hex(), message=type(msg).__name__, error=str(exc))
 
