@@ -75,6 +75,19 @@ def run(coro: Awaitable[object]) -> object:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+def post_times(handler: Handler, times: int) -> tuple[list[tuple[int, bytes]], Server]:
+    """`times` POSTs through one client to a server running `handler`: the replies, and the server after."""
+
+    async def main() -> tuple[list[tuple[int, bytes]], Server]:
+        async with Server(handler) as server:
+            client = HttpClient()
+            replies = [await client.post(server.url, b"{}") for _ in range(times)]
+            await client.aclose()
+        return replies, server
+
+    return asyncio.run(main())
+
+
 def test_keep_alive_server_gets_one_connection_and_the_exact_request() -> None:
     async def main() -> None:
         async with Server(keep_alive(b"0.5")) as server:
@@ -100,15 +113,8 @@ def test_http_1_0_server_gets_a_connection_per_request() -> None:
         w.write(reply(b"1.0", version="HTTP/1.0"))
         return False
 
-    async def main() -> None:
-        async with Server(handler) as server:
-            client = HttpClient()
-            for _ in range(3):
-                assert await client.post(server.url, b"{}") == (200, b"1.0")
-            await client.aclose()
-        assert server.connections == 3
-
-    run(main())
+    replies, server = post_times(handler, 3)
+    assert replies == [(200, b"1.0")] * 3 and server.connections == 3
 
 
 def test_a_body_without_length_runs_until_the_server_closes() -> None:
@@ -119,11 +125,7 @@ def test_a_body_without_length_runs_until_the_server_closes() -> None:
         w.write(b"2]")
         return False
 
-    async def main() -> None:
-        async with Server(handler) as server:
-            assert await HttpClient().post(server.url, b"{}") == (200, b"[1, 2]")
-
-    run(main())
+    assert post_times(handler, 1)[0] == [(200, b"[1, 2]")]
 
 
 def test_chunked_reply_and_a_100_continue_before_it() -> None:
@@ -132,15 +134,8 @@ def test_chunked_reply_and_a_100_continue_before_it() -> None:
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n0.2\r\n2\r\n50\r\n0\r\n\r\n")
         return True
 
-    async def main() -> None:
-        async with Server(handler) as server:
-            client = HttpClient()
-            assert await client.post(server.url, b"{}") == (200, b"0.250")
-            assert await client.post(server.url, b"{}") == (200, b"0.250")
-            await client.aclose()
-        assert server.connections == 1
-
-    run(main())
+    replies, server = post_times(handler, 2)
+    assert replies == [(200, b"0.250")] * 2 and server.connections == 1
 
 
 def test_a_pooled_connection_closed_by_the_server_is_replaced_at_once() -> None:
@@ -149,40 +144,27 @@ def test_a_pooled_connection_closed_by_the_server_is_replaced_at_once() -> None:
         await w.drain()
         return False
 
-    async def main() -> None:
-        async with Server(handler) as server:
-            client = HttpClient()
-            assert await client.post(server.url, b"{}") == (200, b"1")
-            assert await client.post(server.url, b"{}") == (200, b"1")
-            await client.aclose()
-        assert server.connections == 2 and len(server.requests) == 2
-
-    run(main())
+    replies, server = post_times(handler, 2)
+    assert replies == [(200, b"1")] * 2 and server.connections == 2 and len(server.requests) == 2
 
 
-def test_a_connection_dropped_mid_reply_is_lost_not_retried() -> None:
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0.5", "before the reply was complete"),  # dropped mid-reply
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not valid HTTP"),  # not HTTP at all
+    ],
+)
+def test_a_reply_cut_short_or_not_http_is_a_lost_connection_not_asked_again(raw: bytes, match: str) -> None:
     async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _req: bytes) -> bool:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0.5")
+        w.write(raw)
         return False
 
     async def main() -> None:
         async with Server(handler) as server:
-            with pytest.raises(ConnectionLost, match="before the reply was complete"):
+            with pytest.raises(ConnectionLost, match=match):
                 await HttpClient().post(server.url, b"{}")
-        assert server.connections == 1
-
-    run(main())
-
-
-def test_garbage_instead_of_http_is_lost() -> None:
-    async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _req: bytes) -> bool:
-        w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        return True
-
-    async def main() -> None:
-        async with Server(handler) as server:
-            with pytest.raises(ConnectionLost, match="not valid HTTP"):
-                await HttpClient().post(server.url, b"{}")
+        assert server.connections == 1  # a new connection's failure is the caller's to retry, not the client's
 
     run(main())
 
