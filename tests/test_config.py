@@ -190,3 +190,12 @@ def test_rm_flags_reach_the_remote_reward_client() -> None:
     assert RemoteRewardSettings.from_config(parse_config(flags[:4])[0], environ={}).connect_retry_s == 0.05
     no_quick = parse_config([*flags[:4], "--rm-connect-retry-s", "0"])[0]
     assert RemoteRewardSettings.from_config(no_quick, environ={}).connect_retry_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [("ftp://a/r", "must look like"), ("http://a:99999/r", "Port out of range"), ("http://a:1/a b", "percent-encode")],
+)
+def test_a_reward_server_url_the_client_cannot_use_fails_the_config(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load_config(None, {"rm_type": "remote_rm", "rm_url": url})

@@ -278,3 +278,13 @@ def test_a_client_used_from_a_new_event_loop_opens_new_connections() -> None:
         run(client.aclose())
     finally:
         httpd.shutdown()
+
+
+def test_reward_settings_refuse_a_url_the_client_cannot_send_to() -> None:
+    from pydantic import ValidationError
+
+    from vime.rewards.remote import RemoteRewardSettings
+
+    with pytest.raises(ValidationError, match="percent-encode"):
+        RemoteRewardSettings(urls=["http://127.0.0.1:8000/score me"])
+    RemoteRewardSettings(urls=["http://127.0.0.1:8000/score", "https://judge.example:443/v1?key=1"])

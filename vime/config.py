@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vime.http_client import check_url
 from vime.logging import get_logger
 
 
@@ -398,6 +399,10 @@ class VimeConfig(BaseModel):
             scheme, sep, rest = url.partition("://")
             if scheme not in ("http", "https") or not sep or not rest.split("/")[0]:
                 raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH")
+            try:
+                check_url(url)
+            except ValueError as exc:
+                raise ValueError(f"reward server URL {url!r}: {exc}") from None
         return urls
 
     @field_validator("wandb_run_id")

@@ -200,25 +200,7 @@ class HttpClient:
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
         if target is None:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"not an http(s) URL: {url!r}")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            path = parts.path or "/"
-            if parts.query:
-                path += "?" + parts.query
-            host_header = parts.netloc.rpartition("@")[2]
-            try:
-                host_bytes = host_header.encode("ascii")
-            except UnicodeEncodeError:
-                host_bytes = host_header.encode("idna")
-            if not path.isascii():
-                raise ValueError(f"URL path must be ASCII (percent-encode it): {url!r}")
-            if any(c in path for c in " \r\n\0"):
-                raise ValueError(f"URL path has a space, line break or NUL (percent-encode it): {url!r}")
-            head = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (path.encode("ascii"), host_bytes)
-            target = _Target(Origin(parts.scheme, parts.hostname, port), head)
-            self._targets[url] = target
+            target = self._targets[url] = _parse_target(url)
         return target
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
@@ -294,6 +276,32 @@ class HttpClient:
             if reused and not got_bytes:
                 raise _StaleConnection from exc
             raise ConnectionLost(f"connection dropped: {type(exc).__name__}: {exc}") from exc
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError, naming the problem, if `post` could not send to `url`."""
+    _parse_target(url)
+
+
+def _parse_target(url: str) -> _Target:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)  # a bad port raises ValueError here
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    if not path.isascii():
+        raise ValueError(f"URL path must be ASCII (percent-encode it): {url!r}")
+    if any(c in path for c in " \r\n\0"):
+        raise ValueError(f"URL path has a space, line break or NUL (percent-encode it): {url!r}")
+    host_header = parts.netloc.rpartition("@")[2]
+    try:
+        host_bytes = host_header.encode("ascii")
+    except UnicodeEncodeError:
+        host_bytes = host_header.encode("idna")
+    head = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (path.encode("ascii"), host_bytes)
+    return _Target(Origin(parts.scheme, parts.hostname, port), head)
 
 
 class _StaleConnection(Exception):

@@ -55,7 +55,7 @@ from typing import Any
 
 from purgatory import AsyncCircuitBreakerFactory
 from purgatory.domain.model import OpenedState
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from vime.http_client import (
@@ -65,6 +65,7 @@ from vime.http_client import (
     HttpClient,
     ReplyTooLarge,
     RequestTrace,
+    check_url,
 )
 from vime.logging import get_logger
 from vime.rewards.limit import AdaptiveLimit, Outcome
@@ -124,6 +125,13 @@ class RemoteRewardSettings(BaseModel):
     connect_retries: int = Field(3, ge=0)
     # Identical samples of one `score_batch` (same prompt, response, label, metadata) are sent once (--rm-dedupe).
     dedupe: bool = True
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_can_be_sent_to(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            check_url(url)
+        return urls
 
     @classmethod
     def from_config(cls, cfg: Any, environ: Mapping[str, str] | None = None) -> RemoteRewardSettings:
