@@ -4,8 +4,10 @@ so each reply framing (length, chunked, until close, 100 Continue) and each fail
 from __future__ import annotations
 
 import asyncio
+import ssl
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -288,3 +290,39 @@ def test_reward_settings_refuse_a_url_the_client_cannot_send_to() -> None:
     with pytest.raises(ValidationError, match="percent-encode"):
         RemoteRewardSettings(urls=["http://127.0.0.1:8000/score me"])
     RemoteRewardSettings(urls=["http://127.0.0.1:8000/score", "https://judge.example:443/v1?key=1"])
+
+
+TLS_CERT = Path(__file__).parent / "data" / "tls-test-cert.pem"  # self-signed for 127.0.0.1, tests only
+TLS_KEY = Path(__file__).parent / "data" / "tls-test-key.pem"
+
+
+def test_https_with_a_trusted_certificate_and_refused_without() -> None:
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(TLS_CERT, TLS_KEY)
+    trusting = ssl.create_default_context(cafile=str(TLS_CERT))
+
+    async def main() -> None:
+        server = await asyncio.start_server(_tls_keep_alive, "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/score"
+        try:
+            client = HttpClient(ssl_context=trusting)
+            assert await client.post(url, b"{}") == (200, b"0.5")
+            assert await client.post(url, b"{}") == (200, b"0.5")  # over the kept connection
+            await client.aclose()
+            with pytest.raises(ConnectFailed, match="CERTIFICATE_VERIFY_FAILED"):
+                await HttpClient().post(url, b"{}")  # the system's authorities do not know this certificate
+        finally:
+            server.close()
+
+    run(main())
+
+
+async def _tls_keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while await read_request(reader) is not None:
+            writer.write(reply(b"0.5"))
+            await writer.drain()
+    except ConnectionError:
+        pass  # the refused client's handshake
+    finally:
+        writer.close()

@@ -151,18 +151,19 @@ class HttpClient:
 
     `headers` go with every request (Host and Content-Length are added). At most `max_idle_per_origin`
     idle connections are kept per origin; how many requests run at once is the caller's to bound.
+    https URLs are verified against `ssl_context` (default: the system's certificate authorities).
     """
 
     def __init__(
         self, headers: Mapping[str, str] | None = None, *, max_reply_bytes: int = 64 * 1024 * 1024,
-        max_idle_per_origin: int = 64,
+        max_idle_per_origin: int = 64, ssl_context: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         self._headers = b"".join(_header_line(k, v) for k, v in (headers or {}).items())
         self.max_reply_bytes = max_reply_bytes
         self.max_idle_per_origin = max_idle_per_origin
         self._idle: dict[Origin, collections.deque[_Connection]] = collections.defaultdict(collections.deque)
         self._targets: dict[str, _Target] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the pooled connections belong to
 
     async def post(
