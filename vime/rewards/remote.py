@@ -2,43 +2,17 @@
 
 `RemoteReward.score_batch(items)` returns exactly one `RewardResult` per item, in order, always: a
 sample whose reward cannot be had *because of the sample* is a failed result whose reason names the
-server and the problem (it is left out of training by the broker and counted), never a silent 0 and
-never an exception. A sample whose reward cannot be had *because of the server* waits (see Outages).
+server and the problem (the broker leaves it out of training and counts it), never a silent 0 and never
+an exception. Samples whose reward cannot be had *because of the servers* (nothing listening, every
+circuit open, overload answers, timeouts while connecting) wait and are asked again with backoff until
+the servers answer or `max_wait_s` has passed: an outage costs time, not data (`vime.rewards.outage`).
 
-How a request is made (see `docs/reward-servers.md` for the outcome table):
-- Samples go out one per request (slime) or in batches of `batch_size` (openrlhf, vime) through
-  `vime.http_client` (connections are kept alive where the server allows it), each bounded by `timeout_s`.
-- How many requests are in flight to each server adapts to what it sustains (`vime.rewards.limit`:
-  AIMD from `initial_concurrency`, growing while round trips hold, cutting on connect stalls, timeouts
-  and overload answers), at most `concurrency` in all. A twenty-line standard-library server and a big
-  one both work at the defaults.
-- A connection that does not open within the quick connect time (`connect_retry_s`, or 4x the fastest
-  lately) is opened again at once, up to `connect_retries` times, rather than waiting a second for the
-  kernel to resend a SYN that a full listen queue dropped; the last try waits the whole timeout.
-- Several URLs share the load: each request goes to the healthy server with the most free room, and a
-  retry prefers a different server than the one that just failed.
-- Timeouts, dropped connections, HTTP 408/429/5xx and malformed JSON are retried `retries` times with
-  exponential backoff and jitter (tenacity). HTTP 401/403 (token), other 4xx and replies of the wrong
-  shape are not retried at once: asking again right away will not help.
-- Each URL has a circuit breaker (purgatory): after `breaker_failures` consecutive failed requests it
-  opens for `breaker_reset_s` seconds, during which no request goes to that server. After the pause
-  requests go through again: the first failure reopens the circuit, a success closes it.
-
-Outages cost time, not data. When a request still fails after its retries, its samples fail only if the
-failure is the samples' own; otherwise (nothing listening, every circuit open, timeouts while
-connecting, 408/429/502/503/504, a wrong token that fails everything) they wait and the request is
-tried again with backoff until the servers answer, or until `max_wait_s` has passed. The rule and the
-warnings a waiting job gives are `vime.rewards.outage`'s.
-
-Samples of one batch that a server would see as the same (prompt, response, label and metadata) are sent
-once and share the answer (`dedupe`, --rm-dedupe): GRPO groups often repeat an answer, and a judge's
-call costs the same each time. Turn it off for a judge whose answers should be independent draws.
-
-Counters for the worker's heartbeat (`stats()`): requests, samples deduplicated, retries, quick connect retries, circuits opened, holds (rounds that
-waited), samples waiting, outage seconds, the adaptive limit, connect stalls and limit cuts, and failed
-samples by kind (timeout, connection, http_5xx, http_408, http_429, malformed, auth, rejected,
-bad_reply, circuit_open, internal; `unscorable` when the server answered but gave that sample no usable
-reward).
+Per request: slime sends one sample, openrlhf and vime batches of `batch_size`, through
+`vime.http_client`; identical samples of a batch go once (`dedupe`); requests in flight per server
+adapt to what it sustains (`vime.rewards.limit`); a connection slow to open is opened again at once;
+retryable failures are retried with backoff and jitter (tenacity); each URL has a circuit breaker
+(purgatory) and the least busy healthy URL gets each request. `docs/reward-servers.md` has the flags,
+the outcome table and the metrics that `stats()` reports.
 """
 
 from __future__ import annotations
