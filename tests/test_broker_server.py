@@ -264,3 +264,46 @@ def test_bad_message_lines_are_rate_limited_with_a_count_of_the_rest(
         assert len(server_log.events("bad_message_suppressed")) == 1
     finally:
         close_idle(server)
+
+
+def test_a_worker_of_another_job_is_refused_and_its_client_stops_with_the_reason() -> None:
+    """Two jobs given one broker address: a worker naming another job gets `wrong_job` and is not
+    registered; the real BrokerClient turns that into BrokerRefused (exit, not retry). Workers of this
+    job, and clients that name no job, are welcomed."""
+    import asyncio
+
+    from vime.broker.client import BrokerClient, BrokerRefused
+
+    prompts = [Prompt(i, "1+1=", np.array([1, 2], dtype=np.int32), "2") for i in range(4)]
+    settings = BrokerSettings(2, 2, 0, 1, 10, 30.0, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
+    server = BrokerServer(BrokerState(settings, PromptCursor(prompts, shuffle=False, seed=0)), "tcp://127.0.0.1:*",
+                          job_name="/runs/job-a")  # fmt: skip
+    endpoint = server.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+    thread = threading.Thread(target=_serve, args=(server,), daemon=True)
+    thread.start()
+    try:
+        stranger = client(endpoint, b"reward-0")
+        stranger.send_multipart(encode(Hello(role="reward", worker_id="reward-0", job="/runs/job-b")))
+        err = reply(stranger)
+        assert isinstance(err, ErrorReply) and err.code == "wrong_job"
+        assert "'/runs/job-a'" in err.detail and "'/runs/job-b'" in err.detail and "--broker-address" in err.detail
+        for identity, job in ((b"reward-1", "/runs/job-a"), (b"reward-2", "")):
+            member = client(endpoint, identity)
+            member.send_multipart(encode(Hello(role="reward", worker_id=identity.decode(), job=job)))
+            assert isinstance(reply(member), Welcome)
+            member.close()
+        assert sorted(w.worker_id for w in server.state.workers.values()) == ["reward-1", "reward-2"]
+
+        async def hello_from_job_b() -> None:
+            broker_client = BrokerClient(endpoint, "rollout", "rollout-0", job_name="/runs/job-b")
+            try:
+                await broker_client.hello(timeout_s=10)
+            finally:
+                broker_client.close()
+
+        with pytest.raises(BrokerRefused, match="belongs to job '/runs/job-b'"):
+            asyncio.run(hello_from_job_b())
+        stranger.close()
+    finally:
+        server.stop()
+        thread.join(timeout=10)

@@ -140,3 +140,22 @@ def test_without_gpu_device_nodes_the_launcher_does_not_load_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_second_job_on_a_taken_broker_address_fails_before_starting_anything(tmp_path: Path) -> None:
+    import socket
+
+    from vime.config import load_config
+    from vime.launcher import AddressInUse, check_broker_address_free, run_job
+
+    with socket.socket() as taken:  # stands in for another job's broker
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "tcp://127.0.0.1:%d" % taken.getsockname()[1]
+        cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "broker_address": address})
+        with pytest.raises(AddressInUse, match=r"in use on this machine \(another vime job\?\).*--broker-address tcp://127.0.0.1:\d+"):
+            run_job(cfg, progress=False)
+        assert not (tmp_path / "run" / "logs").exists()  # no process was started
+    check_broker_address_free(cfg)  # free again once the other broker has gone
+    for free in ("tcp://127.0.0.1:*", "ipc:///tmp/vime-broker", "tcp://127.0.0.1:0"):
+        check_broker_address_free(load_config(None, {"broker_address": free}))

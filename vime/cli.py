@@ -24,13 +24,13 @@ def _cmd_run(argv: list[str]) -> int:
     add_config_flags(parser)
     cfg, args = parse_config(argv, parser)
     from vime.demo.model_factory import DemoModelError
-    from vime.launcher import run_job
+    from vime.launcher import AddressInUse, run_job
     from vime.logging import configure_logging
 
     configure_logging()
     try:
         return run_job(cfg, progress=not args.no_progress, timeout_s=args.timeout, min_reward_gain=args.min_reward_gain)
-    except DemoModelError as exc:
+    except (DemoModelError, AddressInUse) as exc:
         print(f"vime: {exc}", file=sys.stderr)
         return 1
 

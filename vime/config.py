@@ -585,6 +585,12 @@ class VimeConfig(BaseModel):
         return bool(self.custom_generate_function_path or self.environment_path or self.environment_url)
 
     @property
+    def job_name(self) -> str:
+        """What identifies this job to its broker: the run dir, as the config names it. Every process of
+        a job loads the same config, so they agree; two jobs that share a broker address do not."""
+        return str(self.run_dir)
+
+    @property
     def samples_per_step(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
 

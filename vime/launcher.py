@@ -11,6 +11,7 @@ finishes, or when the supervisor gives up on a child, naming it and showing the 
 from __future__ import annotations
 
 import datetime
+import errno
 import glob
 import json
 import os
@@ -208,6 +209,34 @@ def _log_above_the_bar() -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=DummyTqdmFile(sys.stderr)))
 
 
+class AddressInUse(RuntimeError):
+    """The broker's address is taken on this machine, most likely by another job's broker."""
+
+
+def check_broker_address_free(cfg: VimeConfig) -> None:
+    """Raise AddressInUse if the broker could not bind its TCP address here. Without this check a second
+    job on the same address would have its broker restarted until it gave up, while that job's workers
+    said Hello to the first job's broker (which refuses them: `Hello.job`)."""
+    endpoint = cfg.broker_bind or cfg.broker_address
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not port.isdigit() or int(port) == 0:
+        return  # ipc, inproc or a port zmq picks: nothing to collide with
+    host = host.strip("[]")
+    host = "0.0.0.0" if host in ("*", "") else host
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, int(port)))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(
+                    f"the broker's address {endpoint} is in use on this machine (another vime job?); give this job "
+                    f"its own, e.g. --broker-address tcp://127.0.0.1:{free_port()}"
+                ) from None
+            # Anything else (a name that is not this machine's): the broker reports it when it binds.
+
+
 # `vime run`'s exit code for a job that ran to the end but whose reward rose less than
 # `--min-reward-gain` (1 is a failed process, 124 a timeout, 130 an interrupt).
 DID_NOT_LEARN = 3
@@ -228,6 +257,7 @@ def run_job(
     if progress and terminal:
         _log_above_the_bar()
     check_job(cfg)  # SecurityError (missing keys, plaintext off loopback) before any child starts
+    check_broker_address_free(cfg)  # AddressInUse likewise
     from vime.tracking import check_installed
 
     check_installed(cfg)  # TrackerNotInstalled (--use-wandb / --use-tensorboard without the package) likewise

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from vime.logging import get_logger
-from vime.protocol.codec import ERROR_CANNOT_RESUME, ERROR_UNKNOWN_PEER, ProtocolError, decode, encode
+from vime.protocol.codec import ERROR_CANNOT_RESUME, ERROR_UNKNOWN_PEER, ERROR_WRONG_JOB, ProtocolError, decode, encode
 from vime.protocol.messages import Bye, ErrorReply, Heartbeat, HeartbeatAck, Hello, JobInfo, Message, StatusReply, StatusRequest, Welcome
 from vime.security import ClientGuard, HandshakeRejected, Security
 from vime.transport import make_dealer
@@ -61,9 +61,11 @@ class BrokerClient:
         *,
         broker_timeout_s: float = 120.0,
         security: Security | None = None,
+        job_name: str = "",
     ) -> None:
         self.address = address
         self.role = role
+        self.job_name = job_name  # said in Hello: a broker of another job refuses this worker
         self.worker_id = worker_id or new_worker_id(role)
         # Raises SecurityError (missing keys, plaintext to a network address) before any socket exists.
         self.guard = ClientGuard(security, role=role, name=f"{role} broker client", endpoint=address)
@@ -110,7 +112,7 @@ class BrokerClient:
                         log.warning("broker_does_not_know_us", detail=msg.detail[:200], hint="the broker restarted; saying Hello again")
                     self.rejoin_needed = True
                     continue
-                if msg.code == ERROR_CANNOT_RESUME:
+                if msg.code in (ERROR_CANNOT_RESUME, ERROR_WRONG_JOB):
                     raise BrokerRefused(msg.detail)
                 log.error("broker_rejected_message", code=msg.code, detail=msg.detail[:500])
                 continue
@@ -124,7 +126,8 @@ class BrokerClient:
             try:
                 await self.send(
                     Hello(role=self.role, worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
-                          weight_version=weight_version, info=info or {}, metrics_url=self.metrics_url),  # type: ignore[arg-type]
+                          weight_version=weight_version, info=info or {}, metrics_url=self.metrics_url,
+                          job=self.job_name),  # type: ignore[arg-type]
                     timeout_s=max(0.1, min(1.0, deadline - time.monotonic())),
                 )
             except BrokerGone:

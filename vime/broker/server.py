@@ -38,7 +38,7 @@ from vime.broker.outbox import Outbox
 from vime.broker.state import BrokerState
 from vime.logging import bind_progress, get_logger
 from vime.prometheus import SnapshotCollector
-from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ProtocolError, decode
+from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ERROR_WRONG_JOB, ProtocolError, decode
 from vime.protocol.messages import (
     Ack,
     BatchRequest,
@@ -99,8 +99,10 @@ class BrokerServer:
         journal: JournalWriter | None = None,
         compact_bytes: int = 256 << 20,
         metrics: SnapshotCollector[dict[str, Any]] | None = None,
+        job_name: str = "",
     ) -> None:
         self.state = state
+        self.job_name = job_name  # a Hello naming another job is refused (ERROR_WRONG_JOB)
         self.metrics = metrics
         self.journal = journal
         self.compact_bytes = compact_bytes
@@ -229,6 +231,7 @@ class BrokerServer:
             msg = decode(payload, ACCEPTED_TYPES, max_total_bytes=self.max_message_bytes)
             self.state.received[type(msg).__name__] += 1
             if isinstance(msg, Hello):
+                self._check_job(msg)
                 self._check_role_key(msg, payload[0] if payload else None)
             self._dispatch_message(identity, msg, now)
         except ProtocolError as exc:
@@ -241,6 +244,16 @@ class BrokerServer:
             elif self.bad_message_log.allow(exc.code, now):
                 log.warning("bad_message", code=exc.code, detail=exc.detail[:500], peer=identity.hex())
             self.outbox.send([(identity, ErrorReply(code=exc.code, detail=exc.detail))])
+
+    def _check_job(self, hello: Hello) -> None:
+        """Two jobs given one broker address would otherwise share workers: one job's rollout worker
+        generating with its own model for the other, its reward worker scoring with the wrong function."""
+        if self.job_name and hello.job and hello.job != self.job_name:
+            raise ProtocolError(
+                ERROR_WRONG_JOB,
+                f"this broker serves job {self.job_name!r}; {hello.role} worker {hello.worker_id!r} belongs to job "
+                f"{hello.job!r} (two jobs on one broker address? give each its own --broker-address)",
+            )
 
     def _check_role_key(self, hello: Hello, frame: Any) -> None:
         """Under CURVE a client key named for a role ("rollout", "rollout-node7") may only say Hello

@@ -60,6 +60,8 @@ ERROR_INVALID = "invalid"
 ERROR_UNKNOWN_PEER = "unknown_peer"
 # The trainer asked for a step the broker can no longer serve (see BrokerState.request_batch).
 ERROR_CANNOT_RESUME = "cannot_resume"
+# A worker of another job said Hello (two jobs sharing one broker address).
+ERROR_WRONG_JOB = "wrong_job"
 
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):

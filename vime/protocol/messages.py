@@ -143,10 +143,14 @@ class Hello(Message, tag="hello"):
     # Where this worker serves Prometheus /metrics (`vime status` lists it); None: it serves none.
     # Optional, so a broker and workers of different versions still understand each other's Hello.
     metrics_url: str | None = None
+    # The job this worker belongs to (`VimeConfig.job_name`); a broker of another job refuses it.
+    # Empty: not said (an older worker, a test client), accepted.
+    job: str = ""
 
     def validate(self) -> None:
         # Shown by `vime status` and kept per worker: a bounded address, not a payload.
         require(self.metrics_url is None or len(self.metrics_url) <= 512, "metrics_url is longer than 512 characters")
+        require(len(self.job) <= 4096, "job is longer than 4096 characters")
 
 
 class JobInfo(Message, tag="job_info"):

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     server = BrokerServer(
         state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json",
         security=Security.from_config(cfg), journal=journal, compact_bytes=cfg.journal_compact_bytes,
-        metrics=collector if metrics is not None else None,
+        metrics=collector if metrics is not None else None, job_name=cfg.job_name,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)

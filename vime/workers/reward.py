@@ -228,5 +228,5 @@ class RewardWorker:
 
 
 async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
-    client = BrokerClient(cfg.broker_address, "reward", worker_id, security=Security.from_config(cfg))
+    client = BrokerClient(cfg.broker_address, "reward", worker_id, security=Security.from_config(cfg), job_name=cfg.job_name)
     return await client.run_session(RewardWorker(cfg, client).run())

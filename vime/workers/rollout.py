@@ -372,7 +372,7 @@ async def run(cfg: VimeConfig, worker_id: str | None = None) -> int:
         agent = AgentRollout.from_config(cfg)  # a bad spec fails here, before the engine starts
     await engine.start()
     try:
-        client = BrokerClient(cfg.broker_address, "rollout", worker_id, security=security)
+        client = BrokerClient(cfg.broker_address, "rollout", worker_id, security=security, job_name=cfg.job_name)
         return await client.run_session(RolloutWorker(cfg, engine, client, agent).run())
     finally:
         if agent is not None:

@@ -521,7 +521,7 @@ def _lead(
     security = Security.from_config(cfg)
     publisher = WeightPublisher(cfg.weight_bind, security=security, cuda_ipc=cfg.weight_cuda_ipc_on())
     try:
-        client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security)
+        client = BrokerClient(cfg.broker_address, "trainer", worker_id, security=security, job_name=cfg.job_name)
     except BaseException:
         publisher.close()
         raise
