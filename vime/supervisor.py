@@ -10,6 +10,11 @@ first (its vLLM engines with it). Then, after a backoff:
 - the trainer ranks start again on a new rendezvous port, with `--load latest` once a checkpoint
   exists (before the first one they start from the model, and the broker replays the steps trained).
 
+A rollout or reward worker that exits with code 0 has left the job (its broker said training finished,
+or someone sent it SIGTERM). If the broker's status.json still says the job is not finished
+`LEFT_GRACE_S` later, it is restarted like a dead one: otherwise a job whose last reward worker left
+would wait forever.
+
 A restart fails when the restarted process dies again within `--restart-window-s`. After more than
 `--max-restarts` failed restarts in a row the supervisor gives up: `JobFailed` names the process and
 the reason, and the launcher stops the job. A process that stays up for the window has recovered.
@@ -28,6 +33,9 @@ from vime.process import Child
 log = get_logger(__name__)
 
 MAX_BACKOFF_S = 30.0
+# Workers leave a moment before the trainer ends the job (the broker tells them first); a worker gone
+# this long while the job is not finished left too early.
+LEFT_GRACE_S = 10.0
 
 
 class JobFailed(Exception):
@@ -68,6 +76,7 @@ class Slot:
     restart_at: float | None = None
     downtime: list[float] = field(default_factory=list)  # death noticed -> restarted, seconds
     died_at: float | None = None
+    left_at: float | None = None  # when a worker of this slot was first seen to have exited with code 0
 
     @property
     def kind(self) -> str:
@@ -106,15 +115,37 @@ class Supervisor:
             dead = [(c, code) for c in slot.children if (code := c.poll()) not in (None, 0)]
             if dead:
                 self._on_death(slot, *dead[0], now)
+            elif slot.kind in ("rollout", "reward"):
+                self._check_left(slot, now)
 
     def restarts(self) -> dict[str, int]:
         return {slot.name: slot.restarts for slot in self.slots if slot.restarts}
 
+    def _check_left(self, slot: Slot, now: float) -> None:
+        """A worker that exited with code 0 while the job is not finished is restarted after the grace."""
+        left = next((c for c in slot.children if c.poll() == 0), None)
+        if left is None:
+            slot.left_at = None
+        elif slot.left_at is None:
+            slot.left_at = now
+        elif now - slot.left_at >= LEFT_GRACE_S and not self._job_finished():
+            slot.left_at = None
+            self._on_death(slot, left, 0, now)
+
+    def _job_finished(self) -> bool:
+        """The broker's word in status.json; a file that cannot be read counts as finished, so a worker
+        is never restarted on a guess."""
+        try:
+            return bool(json.loads((self.cfg.run_dir / "status.json").read_text()).get("finished", True))
+        except (OSError, ValueError):
+            return True
+
     def _on_death(self, slot: Slot, child: Child, code: int, now: float) -> None:
         for c in slot.children:  # its engines, and for the trainer the other ranks
             c.kill(wait_s=5)
+        how = "left the job (exit code 0) before it finished" if code == 0 else f"exited with code {code}"
         if not self.policy.enabled:
-            raise JobFailed(child, code, f"{child.name} exited with code {code} (--no-supervise: no restart)")
+            raise JobFailed(child, code, f"{child.name} {how} (--no-supervise: no restart)")
         if slot.kind == "broker" and not self.cfg.journal:
             raise JobFailed(child, code, f"{child.name} exited with code {code}; with --no-journal a restarted broker has nothing to resume from")
         lived = now - slot.started_at
@@ -127,7 +158,7 @@ class Supervisor:
         delay = self.policy.delay_s(slot.failures)
         slot.restart_at = now + delay
         slot.died_at = now
-        self.say(f"{child.name} exited with code {code} after {lived:.0f} s; restarting {self._what(slot)} in {delay:.1f} s "
+        self.say(f"{child.name} {how} after {lived:.0f} s; restarting {self._what(slot)} in {delay:.1f} s "
                  f"(failed restarts in a row: {slot.failures - 1} of at most {self.policy.max_restarts})")  # fmt: skip
         log.warning("child_died", name=child.name, code=code, lived_s=round(lived, 1), restart_in_s=delay, failures=slot.failures)
 
