@@ -396,13 +396,10 @@ class VimeConfig(BaseModel):
             return items  # pydantic names the type error
         urls = [str(u).strip() for u in items if str(u).strip()]
         for url in urls:
-            scheme, sep, rest = url.partition("://")
-            if scheme not in ("http", "https") or not sep or not rest.split("/")[0]:
-                raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH")
             try:
-                check_url(url)
+                check_url(url)  # what the reward client will be able to send to
             except ValueError as exc:
-                raise ValueError(f"reward server URL {url!r}: {exc}") from None
+                raise ValueError(f"reward server URL {url!r} must look like http://HOST:PORT/PATH: {exc}") from None
         return urls
 
     @field_validator("wandb_run_id")

@@ -13,9 +13,6 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from vime.http_client import HttpClient, HttpClientError, ReplyTooLarge
 
-# A tool's or an environment's answer larger than this is a broken server.
-MAX_REPLY_BYTES = 64 * 1024 * 1024
-
 
 class ServiceUnavailable(RuntimeError):
     """No answer after every attempt; the message names the URL and the last failure."""
@@ -37,7 +34,8 @@ class JsonClient:
 
     def _open(self) -> HttpClient:
         if self._http is None:
-            self._http = HttpClient({"Content-Type": "application/json", "Accept": "application/json"}, max_reply_bytes=MAX_REPLY_BYTES)
+            # The client's own reply limit (64 MiB): a tool's or an environment's answer beyond it is a broken server.
+            self._http = HttpClient({"Content-Type": "application/json", "Accept": "application/json"})
         return self._http
 
     async def aclose(self) -> None:
