@@ -81,14 +81,15 @@ class PromptOutcome:
 def outcome_of(group: Group) -> PromptOutcome:
     """Read an eval group after scoring (failed samples carry status 'failed')."""
     scored = [s for s in group.samples if s.status != "failed" and s.reward is not None]
-    versions = [v for s in group.samples for v in (s.token_versions.min(), s.token_versions.max()) if len(s.token_versions)]
+    # np.asarray: the broker holds a group's arrays in wire form (vime.protocol.group_views)
+    versions = [np.asarray(s.token_versions) for s in group.samples if len(s.token_versions)]
     return PromptOutcome(
         rewards=[float(s.reward) for s in scored],  # type: ignore[arg-type]
         failed=len(group.samples) - len(scored),
         response_lengths=[len(s.response_tokens) for s in scored],
         truncated=sum(s.status == "truncated" for s in scored),
-        version_min=int(min(versions)) if versions else -1,
-        version_max=int(max(versions)) if versions else -1,
+        version_min=min(int(v.min()) for v in versions) if versions else -1,
+        version_max=max(int(v.max()) for v in versions) if versions else -1,
     )
 
 

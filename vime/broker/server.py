@@ -39,6 +39,7 @@ from vime.broker.state import BrokerState
 from vime.logging import bind_progress, get_logger
 from vime.prometheus import SnapshotCollector
 from vime.protocol.codec import ERROR_INVALID, ERROR_UNKNOWN_PEER, ERROR_WRONG_JOB, ProtocolError, decode
+from vime.protocol.group_views import GroupsGeneratedView
 from vime.protocol.messages import (
     Ack,
     BatchRequest,
@@ -47,7 +48,6 @@ from vime.protocol.messages import (
     Credit,
     ErrorReply,
     EvalResult,
-    GroupsGenerated,
     GroupsScored,
     Heartbeat,
     HeartbeatAck,
@@ -73,12 +73,13 @@ PROFILE_ENV = "VIME_BROKER_PROFILE"
 DRAIN_BUDGET_S = 0.00075
 DRAIN_MAX_MESSAGES = 4096
 
-# Which roles may send which messages; anything else is answered with an error.
-ALLOWED: dict[type[Message], frozenset[str]] = {
+# Which roles may send which messages; anything else is answered with an error. Generated groups are
+# read as `GroupsGeneratedView` (arrays left in wire form: the broker forwards them, never reads them).
+ALLOWED: dict[type[Any], frozenset[str]] = {
     Heartbeat: frozenset({"rollout", "reward", "trainer"}),
     Bye: frozenset({"rollout", "reward", "trainer"}),
     Credit: frozenset({"rollout", "reward"}),
-    GroupsGenerated: frozenset({"rollout"}),
+    GroupsGeneratedView: frozenset({"rollout"}),
     GroupsScored: frozenset({"reward"}),
     BatchRequest: frozenset({"trainer"}),
     StepDone: frozenset({"trainer"}),
@@ -297,7 +298,7 @@ class BrokerServer:
             log.info("worker_left", worker=worker.worker_id, reason=msg.reason, requeued=worker.requeued)
         elif isinstance(msg, Credit):
             state.add_credit(identity, msg.n, now)
-        elif isinstance(msg, GroupsGenerated):
+        elif isinstance(msg, GroupsGeneratedView):
             accepted = state.on_generated(identity, msg.groups)
             self.outbox.send([(identity, Ack(ids=accepted))])
         elif isinstance(msg, GroupsScored):

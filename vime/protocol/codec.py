@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -37,9 +37,10 @@ DEFAULT_MAX_FRAMES = 65_536
 DEFAULT_MAX_TOTAL_BYTES = 1 << 31
 
 # Only plain numeric dtypes cross the wire; object/structured dtypes could smuggle arbitrary data.
-ALLOWED_DTYPES = frozenset(
-    {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"}
-)
+DtypeName = Literal[
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"
+]
+ALLOWED_DTYPES = frozenset(get_args(DtypeName))
 
 
 class ProtocolError(Exception):
@@ -128,12 +129,17 @@ def _dec_hook(expected: type, obj: Any) -> Any:
         raise msgspec.ValidationError(f"unsupported type {expected!r}")
     if not (isinstance(obj, list) and len(obj) == 3):
         raise msgspec.ValidationError("an array must be [dtype, shape, frame_index | bytes]")
-    dtype_name, shape, ref = obj
+    return _array_from(*obj)
+
+
+def _array_from(dtype_name: Any, shape: Any, ref: Any) -> np.ndarray:
+    """The array `[dtype_name, shape, ref]` of the message being decoded, a read-only view of its bytes;
+    msgspec.ValidationError naming the problem unless dtype, shape and bytes agree."""
     dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise msgspec.ValidationError(f"array dtype {dtype_name!r} is not allowed")
     # 1-D arrays (tokens, logprobs, masks, versions: most arrays of a group) take the short way: this
-    # hook runs for every array of every message, 300 k times in a 10 s run of bench/broker_scale.py.
+    # runs for every array of every message, 300 k times in a 10 s run of bench/broker_scale.py.
     one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0
     if one_dim:
         expected_bytes = shape[0] * dtype.itemsize
@@ -162,6 +168,39 @@ def _dec_hook(expected: type, obj: Any) -> Any:
             f"array of dtype {dtype_name} shape {shape} needs {expected_bytes} bytes, got {buf.nbytes}"
         )
     return np.frombuffer(buf, dtype=dtype) if one_dim else np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class WireArray(msgspec.Struct, array_like=True, gc=False):
+    """An array as it travels, `[dtype, shape, bytes | frame_index]`, for a receiver that forwards arrays
+    rather than reading them: msgspec decodes and re-encodes it in C, with no hook and no numpy object.
+
+    A message type that declares a field as `WireArray` gets it undecoded; `wire_array_value` (or
+    `np.asarray`, once its message is decoded) turns one into a numpy array. A frame index is only valid
+    while its own message is being decoded, so a receiver follows those in its `validate`.
+
+    Untracked by the garbage collector (nothing in it can hold a reference cycle; the shape is a tuple for
+    the same reason): a broker holds tens of thousands, and tracked ones made every collection walk them.
+    """
+
+    dtype: DtypeName
+    shape: tuple[int, ...]
+    data: int | bytes
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = wire_array_value(self)
+        return arr if dtype is None else arr.astype(dtype)
+
+
+def wire_array_value(wire: WireArray) -> np.ndarray:
+    """`wire` as a read-only numpy array; call it while its message is being decoded (in `validate`), where
+    a frame index still means something. Raises ProtocolError (`invalid`) if dtype, shape and bytes disagree."""
+    try:
+        return _array_from(wire.dtype, list(wire.shape), wire.data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(ERROR_INVALID, str(exc)) from None
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -225,7 +264,19 @@ def decode(
         raise ProtocolError(ERROR_OVERSIZED, f"message of {total} bytes, limit {max_total_bytes}")
     token = _frames_in.set(frames)
     try:
-        version, msg = _decoder_for(expect).decode(header)
+        version, msg = _decode_header(header, expect)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(ERROR_BAD_VERSION, f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+        # still inside the frames' context: a message holding `WireArray`s follows their frame indices here
+        msg.validate()
+    finally:
+        _frames_in.reset(token)
+    return msg  # type: ignore[no-any-return]
+
+
+def _decode_header(header: memoryview, expect: tuple[type[Message], ...] | None) -> tuple[int, Message]:
+    try:
+        return _decoder_for(expect).decode(header)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
         # Only on failure is the header read a second time, generically, so a wrong version or an
         # unknown type is reported as such rather than as whatever field error the typed decode hit.
@@ -237,12 +288,6 @@ def decode(
     except msgspec.DecodeError as exc:
         _check_envelope(header)
         raise ProtocolError(ERROR_MALFORMED, str(exc)) from None
-    finally:
-        _frames_in.reset(token)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(ERROR_BAD_VERSION, f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-    msg.validate()
-    return msg  # type: ignore[no-any-return]
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(tuple[int, dict[str, Any]])

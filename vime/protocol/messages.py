@@ -2,8 +2,9 @@
 
 One message type per purpose; all travel over the broker's ROUTER socket as `codec` frames. Token
 arrays are int32, logprobs float32, loss masks uint8, per-token weight versions int32, routing traces
-uint8/uint16: they become zero-copy frames, so the broker forwards sample payloads without copying
-them.
+uint8/uint16: large ones become zero-copy frames; the broker reads generated groups through
+`vime.protocol.group_views`, which leaves every array in wire form, so it forwards sample payloads
+without decoding or copying them.
 
 Conversation shapes (worker -> broker, broker -> worker):
 - any worker: Hello -> Welcome; Heartbeat -> HeartbeatAck; Bye.
@@ -63,10 +64,6 @@ class Sample(Message, tag="sample"):
         if self.reward is not None:
             require(np.isfinite(self.reward), f"sample {self.index}: reward {self.reward} is not finite")
 
-    @property
-    def min_version(self) -> int:
-        return int(self.token_versions.min()) if len(self.token_versions) else -1
-
 
 class Group(Message, tag="group"):
     """A prompt and its n samples: the unit of dispatch, scoring, buffering and staleness."""
@@ -94,20 +91,7 @@ class Group(Message, tag="group"):
         for sample in self.samples:
             sample.validate()
             if sample.routed_experts is not None:
-                self._validate_trace(sample)
-
-    def _validate_trace(self, sample: Sample) -> None:
-        """R3: the trace must cover prompt + response - 1 tokens, compact dtype, ids < num_experts."""
-        what = f"group {self.group_id} sample {sample.index}"
-        require(sample.num_experts is not None, f"{what}: routed_experts without num_experts")
-        try:
-            validate_trace(
-                sample.routed_experts,  # type: ignore[arg-type]
-                len(self.prompt_tokens) + len(sample.response_tokens),
-                int(sample.num_experts),  # type: ignore[arg-type]
-            )
-        except ValueError as exc:
-            require(False, f"{what}: {exc}")
+                check_trace(self.group_id, sample, len(self.prompt_tokens))
 
     @property
     def oldest_version(self) -> int:
@@ -116,6 +100,16 @@ class Group(Message, tag="group"):
         # and a numpy reduction per sample cost 3.5x as much for the demo's groups of 8 short samples.
         versions = [s.token_versions for s in self.samples if len(s.token_versions)]
         return int(np.concatenate(versions).min()) if versions else -1
+
+
+def check_trace(group_id: str, sample: Any, prompt_len: int) -> None:
+    """R3: `sample`'s trace must cover prompt + response - 1 tokens, compact dtype, ids < num_experts."""
+    what = f"group {group_id} sample {sample.index}"
+    require(sample.num_experts is not None, f"{what}: routed_experts without num_experts")
+    try:
+        validate_trace(sample.routed_experts, prompt_len + len(sample.response_tokens), int(sample.num_experts))
+    except ValueError as exc:
+        require(False, f"{what}: {exc}")
 
 
 def _length_of(arr: np.ndarray, dtype: np.dtype, what: str, expected: int | None = None) -> int:
