@@ -87,6 +87,8 @@ ALLOWED: dict[type[Any], frozenset[str]] = {
     WeightsPublished: frozenset({"trainer"}),
 }
 ACCEPTED_TYPES = (Hello, StatusRequest, *ALLOWED)
+# What logs, errors and metrics call each message: its wire name, whatever type the broker reads it as.
+MESSAGE_NAMES: dict[type[Any], str] = {cls: cls.__name__ for cls in ACCEPTED_TYPES} | {GroupsGeneratedView: "GroupsGenerated"}
 
 class BrokerServer:
     def __init__(
@@ -230,7 +232,7 @@ class BrokerServer:
         identity, payload = frames[0].bytes, frames[1:]
         try:
             msg = decode(payload, ACCEPTED_TYPES, max_total_bytes=self.max_message_bytes)
-            self.state.received[type(msg).__name__] += 1
+            self.state.received[MESSAGE_NAMES[type(msg)]] += 1
             if isinstance(msg, Hello):
                 self._check_job(msg)
                 self._check_role_key(msg, payload[0] if payload else None)
@@ -286,9 +288,9 @@ class BrokerServer:
             return
         worker = state.workers.get(identity)
         if worker is None:
-            raise ProtocolError(ERROR_UNKNOWN_PEER, f"{type(msg).__name__} from an unknown peer: send Hello first")
+            raise ProtocolError(ERROR_UNKNOWN_PEER, f"{MESSAGE_NAMES[type(msg)]} from an unknown peer: send Hello first")
         if worker.role not in ALLOWED[type(msg)]:
-            raise ProtocolError(ERROR_INVALID, f"a {worker.role} worker may not send {type(msg).__name__}")
+            raise ProtocolError(ERROR_INVALID, f"a {worker.role} worker may not send {MESSAGE_NAMES[type(msg)]}")
         state.touch(identity, now)
         if isinstance(msg, Heartbeat):
             state.touch(identity, now, msg.weight_version, {"in_flight": msg.in_flight, **msg.stats})

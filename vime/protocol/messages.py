@@ -64,6 +64,10 @@ class Sample(Message, tag="sample"):
         if self.reward is not None:
             require(np.isfinite(self.reward), f"sample {self.index}: reward {self.reward} is not finite")
 
+    @property
+    def min_version(self) -> int:
+        return int(self.token_versions.min()) if len(self.token_versions) else -1
+
 
 class Group(Message, tag="group"):
     """A prompt and its n samples: the unit of dispatch, scoring, buffering and staleness."""
