@@ -257,6 +257,11 @@ class VimeConfig(BaseModel):
     use_decoupled_ppo: bool = Field(False, description="AReaL: weight by behaviour ratio, mask above the cap")
     behav_imp_weight_cap: float = Field(5.0, gt=0.0)
     use_fsdp: bool = Field(False, description="shard the model with FSDP2 instead of replicating (DDP)")
+    train_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the trainer's compute dtype (master weights stay float32): bfloat16 runs the matrix "
+        "products in bf16 (torch backend: autocast, with attention in float32 on the CPU; Megatron: bf16 "
+        "parameters); auto: bfloat16 on CUDA, float32 on the CPU",
+    )  # fmt: skip
     gradient_checkpointing: bool = Field(
         False, description="torch backend: recompute each layer's activations in the backward (Megatron: --recompute-granularity)",
     )  # fmt: skip

@@ -3,7 +3,8 @@
 One `TorchTrainer` per trainer rank. Data parallelism is DDP over whatever default process group is
 initialised (gloo on CPU, NCCL on GPU), or FSDP2 (`fully_shard`, one unit per decoder layer) with
 `use_fsdp`. Master weights stay float32; on CUDA the forward runs in bfloat16 (autocast for DDP, a
-mixed-precision policy for FSDP2).
+mixed-precision policy for FSDP2), and on the CPU too with `--train-dtype bfloat16` (attention then in
+float32: `vime.trainer.fp32_attention`).
 
 A rollout step (`train_step`) follows slime:
 1. GRPO advantages on the whole batch (group statistics need every sample of a group);
@@ -67,7 +68,7 @@ from vime.logging import get_logger
 from vime.r3.hf_router import RoutingRecorder, RoutingReplay, find_routers
 from vime.r3.trace import routing_agreement
 from vime.trainer import losses
-from vime.trainer import estimators, varlen_attention
+from vime.trainer import estimators, fp32_attention, varlen_attention
 from vime.trainer.base import PolicyTrainer
 from vime.trainer.critic import Critic
 from vime.trainer.decoder_layers import decoder_layers
@@ -163,6 +164,8 @@ class TorchTrainerConfig:
         values = {name: os.fspath(v) if isinstance(v, os.PathLike) else v for name, v in values.items()}
         if getattr(cfg, "max_tokens_per_gpu", None) is not None:
             values.update(max_tokens_per_micro_batch=cfg.max_tokens_per_gpu, micro_batch_size=None)
+        if getattr(cfg, "train_dtype", None) is not None:
+            values["dtype"] = cfg.train_dtype
         return cls(**values, **extra)
 
     def __post_init__(self) -> None:
@@ -245,6 +248,7 @@ class TorchTrainer(PolicyTrainer):
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.device = _resolve_device(cfg.device)
         if cfg.dtype == "auto":
+            # bf16 on the CPU shortens the train step but not the CPU demo's step: docs/benchmarks.md
             self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.compute_dtype = getattr(torch, cfg.dtype)
@@ -261,6 +265,8 @@ class TorchTrainer(PolicyTrainer):
             cfg.pack_sequences == "auto" and self.device.type == "cuda" and not cfg.share_prompts
         )
         attn_implementation = varlen_attention.register() if self.pack_sequences else cfg.attn_implementation
+        if attn_implementation == "sdpa" and self.device.type == "cpu" and self.compute_dtype == torch.bfloat16:
+            attn_implementation = fp32_attention.register()  # the CPU's bf16 attention backward is the slow part
         load = dict(attn_implementation=attn_implementation)
         self.hf_model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=torch.float32, **load)
         self.hf_model.config.use_cache = False
