@@ -54,7 +54,7 @@ for part in "${@:-tests}"; do
     # VIME_GPU_TEST_IDS picks some of them (pytest node ids, space-separated) for a call with less time.
     # -s: a test cut off by the call's limit still leaves its progress in the log.
     ids=(${VIME_GPU_TEST_IDS:-tests/test_vllm_versions.py tests/test_rollout_vllm.py tests/test_e2e_r3.py tests/test_weight_ipc.py
-      tests/test_colocate.py tests/test_vllm_owner_watch.py tests/test_rollout_hf.py::test_the_engine_runs_on_the_device_it_is_given
+      tests/test_colocate.py tests/test_vllm_owner_watch.py tests/test_rollout_stall.py tests/test_rollout_hf.py::test_the_engine_runs_on_the_device_it_is_given
       tests/test_e2e.py::test_async_pipeline_with_vllm_rollouts_and_two_trainer_ranks
       tests/test_e2e.py::test_colocated_vllm_engine_sleeps_and_takes_its_weights_over_cuda_ipc})
     timeout "${VIME_GPU_TESTS_S:-540}" python3 -m pytest -q -s -rs -p no:cacheprovider -o addopts="" "${ids[@]}" \

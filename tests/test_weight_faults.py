@@ -243,7 +243,7 @@ def _worker(engine: FlakyEngine, monkeypatch: pytest.MonkeyPatch):  # type: igno
     from vime.workers import rollout
 
     monkeypatch.setattr(rollout, "UPDATE_RETRY_S", 0.05)
-    cfg = SimpleNamespace(rollout_concurrency=1, heartbeat_interval_s=1.0, colocate=False)
+    cfg = SimpleNamespace(rollout_concurrency=1, heartbeat_interval_s=1.0, colocate=False, rollout_stall_timeout_s=0.0)
     return rollout.RolloutWorker(cfg, engine, client=None)  # type: ignore[arg-type]
 
 

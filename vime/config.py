@@ -76,6 +76,11 @@ class VimeConfig(BaseModel):
     rollout_engine: Literal["vllm", "hf", "auto"] = Field("auto", description="auto = vLLM when installed")
     num_rollout_workers: int = Field(1, ge=1, description="rollout worker processes started by `vime run`")
     rollout_concurrency: int = Field(8, ge=1, description="groups a rollout worker generates at once")
+    rollout_stall_timeout_s: float = Field(
+        600.0, ge=0.0, description="a rollout worker whose engine samples no token for this long while it has "
+        "requests (and is not paused, asleep or loading weights) is wedged: it exits, its groups go back to the "
+        "broker and the supervisor restarts it; 0: never",
+    )  # fmt: skip
     vllm: dict[str, Any] = Field(default_factory=dict, description="vLLM engine args (--vllm-<arg>)")
     rollout_engine_core: Literal["auto", "process", "inline"] = Field(
         "auto", description="where vLLM's engine core runs: process (vLLM's own child process), inline (stepped in "

@@ -227,6 +227,12 @@ class RolloutEngine(abc.ABC):
         """Whether `sleep` is in effect."""
         return False
 
+    @property
+    def requests_in_flight(self) -> int:
+        """`generate`/`score` calls not yet answered; with `progress` it tells a wedged engine from an idle
+        one (`vime.rollout.stall`). 0 for an engine that cannot tell, which is then never called stalled."""
+        return 0
+
     @abc.abstractmethod
     async def score(self, prompt_tokens: list[int], response_tokens: list[int]) -> np.ndarray:
         """Raw (temperature 1) logprob of each response token given the prompt and the response prefix,

@@ -171,6 +171,7 @@ class HfRolloutEngine(RolloutEngine):
         self._progress_lock = threading.Lock()  # decode threads add to the counters concurrently
         self._sequences_started = 0
         self._tokens_sampled = 0
+        self._generate_calls = 0  # generate() calls not yet answered (requests_in_flight)
         self._update_lock = asyncio.Lock()
         self._decode_pool = ThreadPoolExecutor(int(args.get("max_concurrent", 16)), thread_name_prefix="vime-hf-decode")
         self._weights_pool = ThreadPoolExecutor(1, thread_name_prefix="vime-hf-weights")
@@ -315,6 +316,7 @@ class HfRolloutEngine(RolloutEngine):
         if len(prompt_tokens) >= self._max_len:
             raise ValueError(f"prompt of {len(prompt_tokens)} tokens leaves no room (max_model_len {self._max_len})")
         cancel = threading.Event()
+        self._generate_calls += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 self._decode_pool, self._generate_sync, [int(t) for t in prompt_tokens], n, sampling, cancel
@@ -322,6 +324,12 @@ class HfRolloutEngine(RolloutEngine):
         except asyncio.CancelledError:
             cancel.set()  # the thread notices at its next step and returns
             raise
+        finally:
+            self._generate_calls -= 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._generate_calls
 
     def _generate_sync(
         self, prompt: list[int], n: int, sampling: SamplingConfig, cancel: threading.Event

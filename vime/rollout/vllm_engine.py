@@ -384,6 +384,10 @@ class VllmRolloutEngine(RolloutEngine):
     def progress(self) -> GenerationProgress:
         return GenerationProgress(sequences=self._stats.sequences, tokens=self._stats.tokens)
 
+    @property
+    def requests_in_flight(self) -> int:
+        return self._requests_in_flight
+
     async def pause_generation(self) -> None:
         """Freeze vLLM's scheduler with every request and its KV cache kept (`mode="keep"`); returns
         after the engine step in progress. New `generate`/`score` calls wait in this process until

@@ -46,6 +46,7 @@ from vime.protocol.messages import (
 )
 from vime.colocate import ColocateClient
 from vime.rollout import GeneratedSample, SamplingConfig, WeightFetchFailed, WeightUpdateResult, build_engine
+from vime.rollout.stall import StallWatch
 from vime.security import Security
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class RolloutWorker:
         self._hold_token = 0
         self.fatal: BaseException | None = None
         self.update_failures = 0
+        self.stall = StallWatch(cfg.rollout_stall_timeout_s)
+        self.updating = False  # a weight update is being applied (the engine may rightly sample nothing)
         # --colocate: the trainer puts the engine to sleep for its steps and wakes it on new weights.
         self.colocate = (
             ColocateClient(cfg.colocate_endpoint(), client.worker_id, security=Security.from_config(cfg),
@@ -158,6 +161,7 @@ class RolloutWorker:
                     # The engine failed mid-generation: exit so the group's lease is re-dispatched
                     # (by the launcher's teardown or the broker's timeout) instead of hanging forever.
                     raise self.fatal
+                self.stall.check(self.engine, time.monotonic(), updating=self.updating)
                 msg = await self.client.recv(timeout_s=1.0)
                 if self.client.rejoin_needed:
                     await self._rejoin()
@@ -223,6 +227,7 @@ class RolloutWorker:
             if self.engine.asleep:
                 continue  # colocated: the wake-up loads the newest weights (then _woke_up looks again)
             started = time.perf_counter()
+            self.updating = True
             try:
                 result = await self.engine.update_weights(self.target_version, self.endpoint)
             except WeightFetchFailed as exc:
@@ -236,6 +241,8 @@ class RolloutWorker:
                     raise
                 asyncio.get_running_loop().call_later(UPDATE_RETRY_S, self.update_wanted.set)
                 continue
+            finally:
+                self.updating = False
             self.update_failures = 0
             seconds = time.perf_counter() - started
             self._count_update(result, seconds)
