@@ -25,6 +25,10 @@ from vime.http_client import check_url
 from vime.logging import get_logger
 
 
+# The broker's status snapshot in a run dir: written by the broker, read by `vime run`, its supervisor and
+# `vime report`.
+STATUS_FILE = "status.json"
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the problem."""
 
@@ -596,6 +600,11 @@ class VimeConfig(BaseModel):
         """What identifies this job to its broker: the run dir, as the config names it. Every process of
         a job loads the same config, so they agree; two jobs that share a broker address do not."""
         return str(self.run_dir)
+
+    @property
+    def status_file(self) -> Path:
+        """The broker's once-a-second status snapshot (`STATUS_FILE` in the run dir)."""
+        return self.run_dir / STATUS_FILE
 
     @property
     def samples_per_step(self) -> int:

@@ -277,7 +277,7 @@ def run_job(
         (cfg.run_dir / "trained_groups.jsonl").unlink(missing_ok=True)
         for old_log in (cfg.run_dir / "logs").glob("*.log"):
             old_log.unlink()
-    (cfg.run_dir / "status.json").unlink(missing_ok=True)
+    cfg.status_file.unlink(missing_ok=True)
     _set_aside_unfinished_job(cfg)
 
     children = plan_children(cfg, config_path)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from vime.config import STATUS_FILE
 from vime.logging import get_logger
 from vime.metrics import eval_records, read_metrics, training_records
 
@@ -122,7 +123,7 @@ def load_run(run_dir: Path) -> RunData:
         raise ReportError(f"{metrics} holds no training step yet (see {run_dir / 'logs'})")
     evals = eval_records(records)
     config = _read_yaml(run_dir / "config.yaml")
-    status = _read_json(run_dir / "status.json")
+    status = _read_json(run_dir / STATUS_FILE)
     return RunData(run_dir, config, steps, evals, len(records) - len(steps) - len(evals), status, read_faults(run_dir, status))
 
 
@@ -196,7 +197,7 @@ def read_faults(run_dir: Path, status: dict[str, Any] | None) -> Faults:
     faults.counts["resumed launches (--load)"] = max(0, sessions - 1)
     counters = (status or {}).get("counters", {})
     if status is not None:
-        faults.sources.append("status.json")
+        faults.sources.append(STATUS_FILE)
     for key, label in FAULT_COUNTERS.items():
         faults.counts[label] = int(counters.get(key, 0))
     for key, label in FAULT_EVENTS.items():

@@ -136,7 +136,7 @@ class Supervisor:
         """The broker's word in status.json; a file that cannot be read counts as finished, so a worker
         is never restarted on a guess."""
         try:
-            return bool(json.loads((self.cfg.run_dir / "status.json").read_text()).get("finished", True))
+            return bool(json.loads(self.cfg.status_file.read_text()).get("finished", True))
         except (OSError, ValueError):
             return True
 

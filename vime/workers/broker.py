@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         state.metrics_url = metrics.url
     journal = open_journal(cfg, state) if cfg.journal else None
     server = BrokerServer(
-        state, cfg.broker_bind or cfg.broker_address, status_path=cfg.run_dir / "status.json",
+        state, cfg.broker_bind or cfg.broker_address, status_path=cfg.status_file,
         security=Security.from_config(cfg), journal=journal, compact_bytes=cfg.journal_compact_bytes,
         metrics=collector if metrics is not None else None, job_name=cfg.job_name,
     )  # fmt: skip
