@@ -29,6 +29,7 @@ from vime.logging import get_logger
 # `vime report`.
 STATUS_FILE = "status.json"
 
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the problem."""
 

@@ -8,10 +8,10 @@ object or a Python hook per array. An array that travelled as a frame of its own
 long responses, R3 traces) becomes a numpy view of that frame during validation, since its frame index
 means nothing in another message; it is then forwarded as a frame again, still without a copy.
 
-Validation is the canonical types' (same dtypes, same lengths, same R3 checks, the same `ProtocolError`
-codes), so a malformed group is refused at the broker's door and never reaches a training batch. The
-view classes are derived from `Sample` and `Group` field by field, so a field added there travels
-through the broker without a change here.
+Validation is the canonical types' own `validate` (which checks a `WireArray`'s header against its
+bytes), run once frames are followed, so a malformed group is refused at the broker's door and never
+reaches a training batch. The view classes are derived from `Sample` and `Group` field by field, so a
+field added there travels through the broker without a change here.
 """
 
 from __future__ import annotations
@@ -22,68 +22,38 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vime.protocol.codec import ERROR_INVALID, ProtocolError, WireArray, message_tag, require, wire_array_value
-from vime.protocol.messages import Group, GroupsGenerated, Sample, check_trace
+from vime.protocol.codec import WireArray, message_tag, wire_array_value
+from vime.protocol.messages import Group, GroupsGenerated, Sample
 
-_ITEMSIZE = {"int32": 4, "float32": 4, "uint8": 1}
+_SAMPLE_ARRAYS = ("response_tokens", "rollout_logprobs", "loss_mask", "token_versions")
 
 
-def _checked(value: Any, dtype_name: str, what: str, expected: int | None = None) -> tuple[Any, int]:
-    """(`value` with a frame index followed, its length); ProtocolError unless it is a 1-D array of
-    `dtype_name` with `expected` entries."""
-    if type(value) is WireArray and type(value.data) is int:
-        value = wire_array_value(value)  # a frame of this message: a numpy view of it from now on
-    if type(value) is WireArray:
-        if len(value.shape) != 1:
-            raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {tuple(value.shape)}")
-        if value.dtype != dtype_name:
-            raise ProtocolError(ERROR_INVALID, f"{what} must be {dtype_name}, got {value.dtype}")
-        n = value.shape[0]
-        if len(value.data) != n * _ITEMSIZE[dtype_name]:  # type: ignore[arg-type]
-            raise ProtocolError(ERROR_INVALID, f"{what}: {n} entries of {dtype_name} in {len(value.data)} bytes")  # type: ignore[arg-type]
-    else:
-        if value.ndim != 1:
-            raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {value.shape}")
-        if value.dtype.name != dtype_name:
-            raise ProtocolError(ERROR_INVALID, f"{what} must be {dtype_name}, got {value.dtype.name}")
-        n = len(value)
-    if expected is not None and n != expected:
-        raise ProtocolError(ERROR_INVALID, f"{what} has {n} entries, expected {expected}")
-    return value, n
+def _follow_frames(struct: Any, names: tuple[str, ...]) -> None:
+    """Each named array that refers to a frame of the message being decoded becomes a numpy view of it:
+    the index means nothing in another message, the view is sent on as a frame again."""
+    for name in names:
+        value = getattr(struct, name)
+        if type(value) is WireArray and type(value.data) is int:
+            setattr(struct, name, wire_array_value(value))
 
 
 def _sample_validate(self: Any) -> None:
-    self.response_tokens, n = _checked(self.response_tokens, "int32", "response_tokens")
-    self.rollout_logprobs, _ = _checked(self.rollout_logprobs, "float32", "rollout_logprobs", n)
-    self.loss_mask, _ = _checked(self.loss_mask, "uint8", "loss_mask", n)
-    self.token_versions, _ = _checked(self.token_versions, "int32", "token_versions", n)
-    if self.reward is not None:
-        require(np.isfinite(self.reward), f"sample {self.index}: reward {self.reward} is not finite")
+    _follow_frames(self, _SAMPLE_ARRAYS)
     if type(self.routed_experts) is WireArray:
-        self.routed_experts = wire_array_value(self.routed_experts)
+        self.routed_experts = wire_array_value(self.routed_experts)  # the R3 checks read its ids
+    Sample.validate(self)
 
 
 def _group_validate(self: Any) -> None:
-    self.prompt_tokens, prompt_len = _checked(self.prompt_tokens, "int32", f"group {self.group_id} prompt_tokens")
-    require(self.n_samples >= 1, f"group {self.group_id}: n_samples must be >= 1")
-    require(len(self.samples) <= self.n_samples, f"group {self.group_id}: more samples than n_samples")
-    for sample in self.samples:
-        sample.validate()
-        if sample.routed_experts is not None:
-            check_trace(self.group_id, sample, prompt_len)
+    _follow_frames(self, ("prompt_tokens",))
+    Group.validate(self)
 
 
 def _oldest_version(self: Any) -> int:
     """The oldest weight version that produced any token of this group (-1 if no tokens)."""
-    # validated int32 (`_sample_validate`): one numpy reduction over the joined bytes
+    # validated int32 (`Sample.validate`): one numpy reduction over the joined bytes
     joined = b"".join(v.data if type(v) is WireArray else v.tobytes() for v in (s.token_versions for s in self.samples))
     return int(np.frombuffer(joined, dtype=np.int32).min()) if joined else -1
-
-
-def _groups_generated_validate(self: Any) -> None:
-    for group in self.groups:
-        group.validate()
-        require(len(group.samples) == group.n_samples, f"group {group.group_id}: incomplete samples")
 
 
 def _view_of(cls: type[msgspec.Struct], name: str, replace: dict[Any, Any], namespace: dict[str, Any]) -> Any:
@@ -108,5 +78,5 @@ GroupView = _view_of(
     {"validate": _group_validate, "oldest_version": functools.cached_property(_oldest_version)},
 )
 GroupsGeneratedView = _view_of(
-    GroupsGenerated, "GroupsGeneratedView", {list[Group]: list[GroupView]}, {"validate": _groups_generated_validate}
+    GroupsGenerated, "GroupsGeneratedView", {list[Group]: list[GroupView]}, {"validate": GroupsGenerated.validate}
 )

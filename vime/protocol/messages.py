@@ -26,11 +26,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from vime.protocol.codec import ERROR_INVALID, Message, ProtocolError, require
+from vime.protocol.codec import ERROR_INVALID, Message, ProtocolError, WireArray, require
 from vime.r3.trace import validate_trace
 
 # The dtypes sample arrays must have, built once: comparing dtype objects is cheap, naming them is not.
 _INT32, _FLOAT32, _UINT8 = np.dtype("int32"), np.dtype("float32"), np.dtype("uint8")
+_DTYPE_OF = {"int32": _INT32, "float32": _FLOAT32, "uint8": _UINT8}
 
 Role = Literal["rollout", "reward", "trainer", "status"]
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
@@ -107,7 +108,8 @@ class Group(Message, tag="group"):
 
 
 def check_trace(group_id: str, sample: Any, prompt_len: int) -> None:
-    """R3: `sample`'s trace must cover prompt + response - 1 tokens, compact dtype, ids < num_experts."""
+    """R3: `sample`'s trace must cover prompt + response - 1 tokens, compact dtype, ids < num_experts.
+    A function, not a method: the broker's group views (vime.protocol.group_views) run `Group.validate` too."""
     what = f"group {group_id} sample {sample.index}"
     require(sample.num_experts is not None, f"{what}: routed_experts without num_experts")
     try:
@@ -116,9 +118,11 @@ def check_trace(group_id: str, sample: Any, prompt_len: int) -> None:
         require(False, f"{what}: {exc}")
 
 
-def _length_of(arr: np.ndarray, dtype: np.dtype, what: str, expected: int | None = None) -> int:
+def _length_of(arr: np.ndarray | WireArray, dtype: np.dtype, what: str, expected: int | None = None) -> int:
     # Checked before any message text is built: this runs for every array of every sample the broker
     # decodes, and formatting the details (or asking numpy for a dtype's name) costs more than the checks.
+    if type(arr) is WireArray:  # an array the broker forwards undecoded (vime.protocol.group_views)
+        return _wire_length_of(arr, dtype, what, expected)
     if arr.ndim != 1:
         raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype != dtype:
@@ -126,6 +130,20 @@ def _length_of(arr: np.ndarray, dtype: np.dtype, what: str, expected: int | None
     if expected is not None and len(arr) != expected:
         raise ProtocolError(ERROR_INVALID, f"{what} has {len(arr)} entries, expected {expected}")
     return len(arr)
+
+
+def _wire_length_of(arr: WireArray, dtype: np.dtype, what: str, expected: int | None) -> int:
+    """`_length_of` for an array in wire form whose bytes are in the header (frames are followed first)."""
+    if len(arr.shape) != 1:
+        raise ProtocolError(ERROR_INVALID, f"{what} must be 1-D, got shape {tuple(arr.shape)}")
+    if _DTYPE_OF.get(arr.dtype) is not dtype:  # the same dtype objects as the callers pass
+        raise ProtocolError(ERROR_INVALID, f"{what} must be {dtype}, got {arr.dtype}")
+    n = arr.shape[0]
+    if len(arr.data) != n * dtype.itemsize:  # type: ignore[arg-type]
+        raise ProtocolError(ERROR_INVALID, f"{what}: {n} entries of {arr.dtype} in {len(arr.data)} bytes")  # type: ignore[arg-type]
+    if expected is not None and n != expected:
+        raise ProtocolError(ERROR_INVALID, f"{what} has {n} entries, expected {expected}")
+    return n
 
 
 # --- session ---------------------------------------------------------------------------------------
