@@ -29,6 +29,7 @@ responses of the samples that share it, with a tree attention mask: each prompt 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
@@ -63,26 +64,30 @@ class SampleRecord:
     routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32).reshape(-1)
-        self.response_tokens = np.ascontiguousarray(self.response_tokens, dtype=np.int32).reshape(-1)
+        # A trainer builds 256+ of these a step on its critical path: arrays that already have the
+        # wanted form are kept as they are, and the masked-logprob pass runs only when one is not finite.
+        self.prompt_tokens = _flat(self.prompt_tokens, np.int32)
+        self.response_tokens = _flat(self.response_tokens, np.int32)
         self.rollout_logprobs = np.array(self.rollout_logprobs, dtype=np.float32).reshape(-1)
-        self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8).reshape(-1)
+        self.loss_mask = _flat(self.loss_mask, np.uint8)
         n = self.response_tokens.size
         if self.token_versions is None:
             self.token_versions = np.full(n, -1, dtype=np.int32)
-        self.token_versions = np.ascontiguousarray(self.token_versions, dtype=np.int32).reshape(-1)
+        self.token_versions = _flat(self.token_versions, np.int32)
         if self.prompt_tokens.size == 0:
             raise ValueError("sample has an empty prompt; the first response token needs a prompt position")
         for name in ("rollout_logprobs", "loss_mask", "token_versions"):
             if getattr(self, name).size != n:
                 raise ValueError(f"{name} has {getattr(self, name).size} entries for {n} response tokens")
-        if np.any(self.loss_mask > 1):
+        if n and self.loss_mask.max() > 1:
             raise ValueError("loss_mask must contain only 0 and 1")
-        bad = ~np.isfinite(self.rollout_logprobs)
-        if np.any(bad & (self.loss_mask == 1)):
-            raise ValueError("non-finite rollout logprob on a token with loss_mask=1")
-        self.rollout_logprobs[bad] = 0.0
-        if not np.isfinite(self.reward):
+        finite = np.isfinite(self.rollout_logprobs)
+        if not finite.all():
+            bad = ~finite
+            if (bad & (self.loss_mask == 1)).any():
+                raise ValueError("non-finite rollout logprob on a token with loss_mask=1")
+            self.rollout_logprobs[bad] = 0.0
+        if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
         if self.routed_experts is not None:
             trace = np.asarray(self.routed_experts)
@@ -95,6 +100,13 @@ class SampleRecord:
             if trace.size and int(trace.min()) < 0:
                 raise ValueError(f"routed_experts has a negative expert id {int(trace.min())}")
             self.routed_experts = np.ascontiguousarray(trace)
+
+
+def _flat(values: object, dtype: type) -> np.ndarray:
+    """`values` as a contiguous 1-D array of `dtype`, the same object when it already is one."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values
+    return np.ascontiguousarray(values, dtype=dtype).reshape(-1)
 
 
 @dataclass
