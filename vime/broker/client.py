@@ -83,8 +83,12 @@ class BrokerClient:
         `broker_timeout_s`). With IMMEDIATE=1 nothing is queued while no connection is up, so without
         this bound a vanished broker (or one refusing our key) would block the caller forever."""
         timeout = self.broker_timeout_s if timeout_s is None else timeout_s
+        sending = self.socket.send_multipart(encode(msg), copy=False)
+        if sending.done():  # pyzmq sends at once when nothing is queued before it: no timer needed
+            sending.result()
+            return
         try:
-            await asyncio.wait_for(self.socket.send_multipart(encode(msg), copy=False), timeout)
+            await asyncio.wait_for(sending, timeout)
         except asyncio.TimeoutError:
             why = f"; last handshake failure: {self.guard.rejection}" if self.guard.rejection else ""
             raise BrokerGone(
