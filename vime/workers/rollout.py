@@ -76,12 +76,23 @@ def failed_sample(index: int, reason: str) -> Sample:
 
 
 def to_sample(index: int, generated: GeneratedSample) -> Sample:
+    """The wire sample of one generated response; a failed sample (left out of training, the reason
+    kept) when the engine gave a trained token a logprob that is not finite: no loss can use it, and a
+    trainer given one would refuse the whole batch."""
     status = {"length": "truncated", "abort": "aborted"}.get(generated.finish_reason, "completed")
+    logprobs = np.asarray(generated.rollout_logprobs, dtype=np.float32)
+    loss_mask = np.asarray(generated.loss_mask, dtype=np.uint8)
+    if not np.isfinite(logprobs).all():
+        bad = np.flatnonzero(~np.isfinite(logprobs) & (loss_mask == 1))
+        if bad.size:
+            log.error("rollout_logprob_not_finite", sample=index, positions=bad[:8].tolist(), value=float(logprobs[bad[0]]))
+            return failed_sample(index, f"the rollout engine gave {bad.size} trained token(s) a non-finite logprob "
+                                        f"(first at response position {int(bad[0])}: {float(logprobs[bad[0]])})")  # fmt: skip
     return Sample(
         index=index,
         response_tokens=np.asarray(generated.response_tokens, dtype=np.int32),
-        rollout_logprobs=np.asarray(generated.rollout_logprobs, dtype=np.float32),
-        loss_mask=np.asarray(generated.loss_mask, dtype=np.uint8),
+        rollout_logprobs=logprobs,
+        loss_mask=loss_mask,
         token_versions=np.asarray(generated.token_versions, dtype=np.int32),
         finish_reason=generated.finish_reason,
         response_text=generated.response_text,
