@@ -53,7 +53,7 @@ from vime.weights.publisher import WeightPublisher
 
 log = get_logger("vime.worker.trainer")
 
-COMMAND_STOP, COMMAND_TRAIN, COMMAND_SAVE = 0, 1, 2
+COMMAND_STOP, COMMAND_TRAIN, COMMAND_SAVE, COMMAND_PUBLISH = 0, 1, 2, 3
 
 
 @dataclass
@@ -243,10 +243,18 @@ def follower_loop(trainer: PolicyTrainer, cfg: VimeConfig, dtype: torch.dtype) -
         if cmd == COMMAND_SAVE:
             save_checkpoint(trainer, cfg.checkpoint_dir, step + 1, weight_version=-1)  # rank 0 writes the version
             continue
+        if cmd == COMMAND_PUBLISH:
+            publish_weights(trainer, None, 0, dtype)
+            continue
         batch = broadcast_batch(None, src=0)
         trainer.train_step(batch)
-        if (step + 1) % cfg.update_weights_interval == 0:
-            publish_weights(trainer, None, 0, dtype)
+
+
+def lead_publish(trainer: PolicyTrainer, publisher: WeightPublisher, version: int, dtype: torch.dtype) -> PublishTimes:
+    """Rank 0's publish: every other rank is told to export too (sharded exports gather, a collective),
+    whenever rank 0 publishes: the first version, each step's, none for a replayed step."""
+    _command(COMMAND_PUBLISH, version)
+    return publish_weights(trainer, publisher, version, dtype)
 
 
 class LeaderLoop:
@@ -431,7 +439,7 @@ class LeaderLoop:
                 return
 
     async def _publish(self, step: int) -> PublishTimes:
-        times = await asyncio.to_thread(publish_weights, self.trainer, self.publisher, self.version, self.dtype)
+        times = await asyncio.to_thread(lead_publish, self.trainer, self.publisher, self.version, self.dtype)
         # Workers on other machines connect here: a wildcard bind is advertised by host, not as 0.0.0.0.
         endpoint = advertised_endpoint(self.publisher.endpoint, self.cfg.weight_advertise_host)
         published = WeightsPublished(version=self.version, endpoint=endpoint, step=step, nbytes=times.nbytes, seconds=times.seconds)
