@@ -228,19 +228,19 @@ class VimeWorkerExtension:
         # reload_weights runs the model's load_weights (HF names, fused-projection stacking, dtype
         # casts) and re-applies the kernel post-processing, in place.
         runner = self.model_runner  # type: ignore[attr-defined]
+        # Absent until vLLM's reload has run once; then the direct reload, or None where there is none.
         direct: DirectCpuReload | None = getattr(self, "_vime_direct", None)
         names = [name for name, _ in tensors]
         refreshed: list[str] = []
         if direct is not None and direct.accepts(names):
-            direct.load(list(tensors))
+            direct.load(tensors)
             path = "direct"
         else:
             runner.reload_weights(weights_iterator=iter(tensors))
             refreshed = refresh_tied_embeddings(runner.get_model())
             path = "vllm"
-            if direct is None and _is_cpu() and not getattr(self, "_vime_direct_tried", False):
-                self._vime_direct_tried = True
-                self._vime_direct = DirectCpuReload.build(runner, names)
+            if not hasattr(self, "_vime_direct"):
+                self._vime_direct = DirectCpuReload.build(runner, names) if _is_cpu() else None
         load_s = time.perf_counter() - start
         log.info(
             "vllm worker loaded weights",

@@ -82,8 +82,9 @@ def to_sample(index: int, generated: GeneratedSample) -> Sample:
     status = {"length": "truncated", "abort": "aborted"}.get(generated.finish_reason, "completed")
     logprobs = np.asarray(generated.rollout_logprobs, dtype=np.float32)
     loss_mask = np.asarray(generated.loss_mask, dtype=np.uint8)
-    if not np.isfinite(logprobs).all():
-        bad = np.flatnonzero(~np.isfinite(logprobs) & (loss_mask == 1))
+    finite = np.isfinite(logprobs)
+    if not finite.all():
+        bad = np.flatnonzero(~finite & (loss_mask == 1))
         if bad.size:
             log.error("rollout_logprob_not_finite", sample=index, positions=bad[:8].tolist(), value=float(logprobs[bad[0]]))
             return failed_sample(index, f"the rollout engine gave {bad.size} trained token(s) a non-finite logprob "
