@@ -8,7 +8,8 @@
 #   microbatch  micro-batch token budgets: 1.7B at 32k tokens, 4B without checkpointing at 8k
 #   4b          4B with activation checkpointing, compiled, padded and packed
 #   backends    the torch and Megatron backends side by side at 1.7B and 4B, eager and compiled
-#   moe         a Qwen3-30B-A3B layer shape (4 layers, 128 experts, top-8), eager and compiled
+#   moe         a Qwen3-30B-A3B layer shape (4 layers, 128 experts, top-8), torch backend, eager and compiled
+#   moe-megatron  the same shape on the Megatron backend (eager; experts as megatron-core's SequentialMLP)
 #   megatron    megatron_check: logits vs transformers, training, R3, the chunked head, the 0.6B speed check
 #   profile     the top kernels of one compiled 1.7B step per backend
 # Carry `.vllm-cuda/deps` (vime's pure dependencies and megatron-core for Python 3.12, made by
@@ -22,7 +23,7 @@ site=/tmp/vime-train-site
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VIME_LOG_LEVEL=WARNING
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-parts="${VIME_GPU_SPEED_PARTS:-heads compile optimizers microbatch 4b backends moe megatron profile}"
+parts="${VIME_GPU_SPEED_PARTS:-heads compile optimizers microbatch 4b backends moe moe-megatron megatron profile}"
 status=0
 
 speed() {  # speed NAME TIMEOUT ARGS...: one bench run, its log in $out/NAME.log, its rows printed
@@ -52,6 +53,8 @@ for part in $parts; do
       speed backends_1.7b 240 --sizes 1.7b --heads chunked --backends torch,megatron --compile off,on
       speed backends_4b 240 --sizes 4b --heads chunked --backends megatron --compile off,on --gradient-checkpointing ;;
     moe) speed moe 300 --sizes 30b-a3b --layers 4 --heads chunked --compile off,on --max-tokens-per-micro-batch 8192 ;;
+    moe-megatron) speed moe_megatron 300 --sizes 30b-a3b --layers 4 --heads chunked --backends megatron --compile off \
+      --max-tokens-per-micro-batch 8192 ;;
     megatron)
       echo "== megatron_check"
       timeout 300 python3 -m vime.bench.megatron_check --only logits train r3 head speed --out "$out/megatron_check.jsonl" \
