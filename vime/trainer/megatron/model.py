@@ -96,7 +96,9 @@ class ResponseRowsOutputLayer(torch.nn.Module):
         hidden = hidden.transpose(0, 1).reshape(b * s, h).index_select(0, self.rows).unsqueeze(1)
         if not self.project:
             weight = kwargs.get("weight")
-            self.weight_used = weight if weight is not None else self.inner.weight
+            # a plain attribute: nn.Module would register an assigned Parameter as this module's own,
+            # and the model's state_dict (the resume checkpoint) would then hold it under a second name
+            object.__setattr__(self, "weight_used", weight if weight is not None else self.inner.weight)
             return hidden, None
         return self.inner(hidden, **kwargs)
 
