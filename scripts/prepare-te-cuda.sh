@@ -37,8 +37,10 @@ export MAX_JOBS=${MAX_JOBS:-2} CPATH="$SP/cu13/include:$SP/nccl/include:$SP/cudn
 
 # The extension from source, against the environment's torch (no isolated build environment).
 "$V" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/wheels" "transformer_engine_torch==$TE_VERSION"
-# The core wheel and the pure-Python packages TE imports that the device's image may lack.
-"$V" -m pip download -q --no-deps -d "$WORK/wheels" "transformer_engine_cu13==$TE_VERSION" einops importlib_metadata zipp
+# The core wheel, TE's Python package (`transformer_engine`: TE refuses to import without its metadata), and
+# the pure-Python packages TE imports that the device's image may lack.
+"$V" -m pip download -q --no-deps -d "$WORK/wheels" "transformer_engine_cu13==$TE_VERSION" \
+  "transformer_engine==$TE_VERSION" einops importlib_metadata zipp
 
 rm -f .te-cuda/p*
 tar -C "$WORK/wheels" -cf - . | split -b 57000000 -d - .te-cuda/p

@@ -53,6 +53,20 @@ def test_round_trip_is_exact_and_covers_every_checkpoint_tensor(checkpoint):
         assert torch.equal(back[name], t), name
 
 
+def test_transformer_engine_names_map_to_the_same_checkpoint_tensors(checkpoint):
+    # TE fuses the input norm into linear_qkv and a dense layer's pre-MLP norm into linear_fc1: other
+    # Megatron names, the same HF tensors, each exactly once
+    layout = ModelLayout.from_hf_config(AutoConfig.from_pretrained(checkpoint))
+    local, fused = layout.megatron_names(), layout.megatron_names("transformer_engine")
+    assert len(local) == len(fused) and set(local) != set(fused)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in fused
+    assert not any(n.endswith("input_layernorm.weight") for n in fused)
+    hf_names = [n for name in fused for n in rule_for(name, layout).hf_names]
+    assert sorted(hf_names) == sorted(hf_checkpoint_names(layout)) == sorted(set(hf_names))
+    moe_norms = [n for n in fused if n.endswith("pre_mlp_layernorm.weight")]
+    assert len(moe_norms) == len(layout.moe_layers)  # an MoE layer keeps its own pre-MLP norm
+
+
 def test_megatron_shapes(checkpoint):
     layout = ModelLayout.from_hf_config(AutoConfig.from_pretrained(checkpoint))
     hf = _tensors(checkpoint)
@@ -121,9 +135,10 @@ def test_unknown_architecture_and_unknown_name_are_named():
     [
         (dict(tensor_model_parallel_size=3), 8, "not divisible"),
         (dict(sequence_parallel=True), 8, "sequence_parallel needs tensor"),
-        (dict(tensor_model_parallel_size=2, sequence_parallel=True), 8, "TransformerEngine's \\(or Apex's\\) norms"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), 8, "--transformer-impl transformer_engine"),
         (dict(tensor_model_parallel_size=2), 8, "MoE with tensor_model_parallel_size"),
-        (dict(context_parallel_size=2), 8, "TransformerEngine"),
+        (dict(context_parallel_size=2), 8, "not split its micro-batches"),
+        (dict(context_parallel_size=2, transformer_impl="transformer_engine"), 8, "context-parallel ranks"),
         (dict(pipeline_model_parallel_size=4), 4, "layers do not split"),
         (dict(expert_model_parallel_size=3), 3, "experts do not split"),
         (dict(recompute_granularity="full"), 1, "recompute_method"),
@@ -140,10 +155,10 @@ def test_parallel_layout_accepts_a_seed_recipe_layout():
     cfg.validate(8, num_layers=48, num_experts=128)
     assert cfg.transformer_kwargs()["expert_model_parallel_size"] == 8
     MegatronParallelConfig(tensor_model_parallel_size=2).validate(8, num_layers=36, num_experts=0)
-    # with TransformerEngine present, TP + sequence parallel is allowed for MoE
-    MegatronParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True).validate(
-        8, num_layers=48, num_experts=128, have_transformer_engine=True
-    )
+    # with TransformerEngine's layers, TP + sequence parallel is allowed for MoE
+    te = MegatronParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine")
+    te.validate(8, num_layers=48, num_experts=128)
+    assert te.transformer_kwargs()["transformer_impl"] == "transformer_engine"
 
 
 def test_megatron_flags_are_checked_when_the_config_loads():
@@ -152,6 +167,11 @@ def test_megatron_flags_are_checked_when_the_config_loads():
     cfg = load_config(None, {"train_backend": "megatron", "trainer_world_size": 8, "tensor_model_parallel_size": 2,
                              "expert_model_parallel_size": 4})  # fmt: skip
     assert cfg.megatron_parallel().tensor_model_parallel_size == 2
+    assert cfg.megatron_parallel().transformer_impl == "local"
+    te = load_config(None, {"train_backend": "megatron", "transformer_impl": "transformer_engine"})
+    assert te.megatron_parallel().transformer_impl == "transformer_engine"
+    with pytest.raises(ConfigError, match="transformer_impl"):
+        load_config(None, {"train_backend": "megatron", "transformer_impl": "apex"})
     with pytest.raises(ConfigError, match="not divisible by TP"):
         load_config(None, {"train_backend": "megatron", "trainer_world_size": 4, "tensor_model_parallel_size": 3})
     # the torch backend ignores the Megatron layout flags

@@ -221,7 +221,7 @@ class VimeConfig(BaseModel):
     # Megatron layout (Megatron-LM's flag names); data parallel = trainer_world_size / (TP * PP * CP)
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
-    context_parallel_size: int = Field(1, ge=1, description="needs TransformerEngine's attention")
+    context_parallel_size: int = Field(1, ge=1, description="not supported yet (only 1)")
     expert_model_parallel_size: int = Field(1, ge=1)
     expert_tensor_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = Field(False, description="Megatron: split norms/dropout activations over TP ranks")
@@ -229,6 +229,10 @@ class VimeConfig(BaseModel):
     recompute_granularity: Literal["full", "selective"] | None = Field(None, description="Megatron activation recompute")
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = Field(None, ge=1)
+    transformer_impl: Literal["local", "transformer_engine"] = Field(
+        "local", description="Megatron layers: local (megatron-core's own, SDPA attention) or transformer_engine "
+        "(fused norm + linear and fused attention; TransformerEngine must be installed where the trainer runs)",
+    )  # fmt: skip
     trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel)")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step (default: all)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on one rank")
@@ -459,7 +463,7 @@ class VimeConfig(BaseModel):
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             sequence_parallel=self.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
             recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
-            recompute_num_layers=self.recompute_num_layers,
+            recompute_num_layers=self.recompute_num_layers, transformer_impl=self.transformer_impl,
         )  # fmt: skip
 
     def colocate_endpoint(self) -> str:
@@ -494,10 +498,7 @@ class VimeConfig(BaseModel):
             if self.pack_sequences == "on":
                 raise ValueError("pack_sequences is the torch backend's; the Megatron backend pads its micro-batches "
                                  "(packed THD batches need TransformerEngine's attention)")  # fmt: skip
-            import importlib.util
-
-            te = importlib.util.find_spec("transformer_engine") is not None
-            self.megatron_parallel().validate(self.trainer_world_size, have_transformer_engine=te)
+            self.megatron_parallel().validate(self.trainer_world_size)
         return self
 
     @model_validator(mode="after")

@@ -2,8 +2,9 @@
 
 Checks, each reported as a JSON record with its numbers and tolerance:
 1. `logits/<family>/<dtype>`: a random small Qwen3 dense / Qwen3-MoE / GLM-4.5-MoE checkpoint loaded into
-   Megatron's GPTModel (SDPA attention) gives the transformers model's logits on the same input:
-   relative error ||a - b|| / ||b|| within 1e-4 in float32 and 3e-2 in bfloat16.
+   Megatron's GPTModel gives the transformers model's logits on the same input: relative error
+   ||a - b|| / ||b|| within 1e-4 in float32 and 3e-2 in bfloat16; the model's weights are exactly those
+   the HF mapping names.
 2. `r3/metrics`: the R3 bench's setup (SFT-trained tiny Qwen3-MoE, bf16 "rollout" with recorded
    routes, top-2 routing) scored by `MegatronTrainer` in float32 with replay off and on, next to
    `TorchTrainer` on the same samples: the backends agree, replay gives routing agreement 1.0 and
@@ -20,6 +21,7 @@ Checks, each reported as a JSON record with its numbers and tolerance:
    Megatron backend: tokens/s and MFU (model FLOPs 6 * matmul params * tokens + causal attention
    6 * layers * seq * q_dim per token, over the H200's 989 TFLOP/s dense bf16).
 
+`--transformer-impl transformer_engine` builds every Megatron model with TransformerEngine's layers.
 Exit status 0 only if every check passed. Output: one JSON line per check, then a summary line.
 """
 
@@ -37,6 +39,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vime.bench.flops import H200_BF16_PEAK_FLOPS, training_flops_per_token
+
+
+# Megatron-LM's --transformer-impl for every model this check builds (set by main's --transformer-impl)
+_TRANSFORMER_IMPL = "local"
+
+
+def _parallel(**kwargs: Any) -> Any:
+    """A MegatronParallelConfig with this run's transformer_impl (and `kwargs`)."""
+    from vime.trainer.megatron.parallel import MegatronParallelConfig
+
+    return MegatronParallelConfig(transformer_impl=_TRANSFORMER_IMPL, **kwargs)
 
 
 def _setup() -> None:
@@ -93,7 +106,6 @@ def check_logits(family: str, root: Path) -> list[dict[str, Any]]:
 
     from vime.trainer.megatron.hf_mapping import ModelLayout
     from vime.trainer.megatron.model import build_gpt_model, transformer_config
-    from vime.trainer.megatron.parallel import MegatronParallelConfig
     from vime.trainer.megatron.weights import load_hf_weights
 
     path = _checkpoint(family, root)
@@ -104,9 +116,12 @@ def check_logits(family: str, root: Path) -> list[dict[str, Any]]:
     out = []
     for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
         bf16 = dtype == "bfloat16"
-        model = build_gpt_model(layout, transformer_config(layout, MegatronParallelConfig(), bf16=bf16),
+        model = build_gpt_model(layout, transformer_config(layout, _parallel(), bf16=bf16),
                                 pre_process=True, post_process=True).cuda()  # fmt: skip
         load_hf_weights(model, path, layout)
+        # every weight of the model is one the mapping names for this transformer_impl, and the reverse
+        built = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if n.endswith("expert_bias")}
+        expected = set(layout.megatron_names(_TRANSFORMER_IMPL))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
         hf = hf.cuda().eval()
         with torch.no_grad():
@@ -115,7 +130,9 @@ def check_logits(family: str, root: Path) -> list[dict[str, Any]]:
         rel = float((a - b).norm() / b.norm())
         top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
         out.append(dict(check=f"logits/{family}/{dtype}", rel_error=rel, tolerance=tol, top1_agreement=top1,
-                        max_abs=float((a - b).abs().max()), passed=rel <= tol))  # fmt: skip
+                        max_abs=float((a - b).abs().max()), names_match=built == expected,
+                        names_unmapped=sorted(built - expected)[:5], names_missing=sorted(expected - built)[:5],
+                        passed=rel <= tol and built == expected))  # fmt: skip
         del model, hf
         torch.cuda.empty_cache()
     return out
@@ -151,7 +168,7 @@ def check_r3(root: Path) -> list[dict[str, Any]]:
     batch = RolloutBatch.from_samples(samples)
     res: dict[str, float] = {}
     for backend, make in (("torch", lambda c: TorchTrainer(TorchTrainerConfig(**c))),
-                          ("megatron", lambda c: MegatronTrainer(MegatronTrainerConfig(**c)))):  # fmt: skip
+                          ("megatron", lambda c: MegatronTrainer(MegatronTrainerConfig(**c, parallel=_parallel())))):  # fmt: skip
         for replay in (False, True):
             common = dict(hf_checkpoint=path, lr=0.0, weight_decay=0.0, dtype="float32", micro_batch_size=32,
                           use_rollout_routing_replay=replay)  # fmt: skip
@@ -178,7 +195,6 @@ def check_training_and_export(root: Path) -> list[dict[str, Any]]:
     from vime.trainer.batch import RolloutBatch
     from vime.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
     from vime.trainer.megatron.model import build_gpt_model, transformer_config
-    from vime.trainer.megatron.parallel import MegatronParallelConfig
     from vime.trainer.megatron.weights import load_hf_weights
 
     from vime.bench.r3 import R3BenchConfig, _rollout
@@ -190,8 +206,8 @@ def check_training_and_export(root: Path) -> list[dict[str, Any]]:
     batch = RolloutBatch.from_samples(samples)
     out = []
     trainer = None
-    for mode, par in (("no_r3", MegatronParallelConfig()),
-                      ("r3_recompute", MegatronParallelConfig(recompute_granularity="full", recompute_method="uniform"))):  # fmt: skip
+    for mode, par in (("no_r3", _parallel()),
+                      ("r3_recompute", _parallel(recompute_granularity="full", recompute_method="uniform"))):  # fmt: skip
         trainer = MegatronTrainer(MegatronTrainerConfig(
             hf_checkpoint=str(path), lr=1e-4, micro_batch_size=16, use_rollout_routing_replay=mode != "no_r3",
             parallel=par, use_tis=True,
@@ -233,7 +249,7 @@ def check_training_and_export(root: Path) -> list[dict[str, Any]]:
         for dtype in ("float32", "bfloat16"):
             hf = AutoModelForCausalLM.from_pretrained(str(save_dir), dtype=getattr(torch, dtype)).cuda().eval()
             logits[f"hf_{dtype}"] = hf(input_ids=ids).logits.float()
-            fresh = build_gpt_model(trainer.layout, transformer_config(trainer.layout, MegatronParallelConfig(),
+            fresh = build_gpt_model(trainer.layout, transformer_config(trainer.layout, _parallel(),
                                                                        bf16=dtype == "bfloat16"),
                                     pre_process=True, post_process=True).cuda().eval()  # fmt: skip
             load_hf_weights(fresh, str(save_dir), trainer.layout)
@@ -271,7 +287,7 @@ def check_chunked_head(root: Path) -> list[dict[str, Any]]:
         for chunked in (False, True):
             trainer = MegatronTrainer(MegatronTrainerConfig(
                 hf_checkpoint=ckpt, lr=1e-5, dtype="float32", micro_batch_size=16, use_tis=True,
-                entropy_coef=0.01, global_batch_size=32, chunked_head=chunked,
+                entropy_coef=0.01, global_batch_size=32, chunked_head=chunked, parallel=_parallel(),
             ))  # fmt: skip
             before = np.concatenate(trainer.compute_logprobs(data))
             metrics = trainer.train_step(data)
@@ -300,7 +316,6 @@ def check_resume(root: Path) -> list[dict[str, Any]]:
     from vime.trainer.batch import RolloutBatch
     from vime.trainer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from vime.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
-    from vime.trainer.megatron.parallel import MegatronParallelConfig
 
     path = root / "r3trained"
     if not path.exists():
@@ -312,7 +327,7 @@ def check_resume(root: Path) -> list[dict[str, Any]]:
         def make() -> MegatronTrainer:
             return MegatronTrainer(MegatronTrainerConfig(
                 hf_checkpoint=str(path), lr=1e-3, micro_batch_size=8, use_tis=True, lr_warmup_steps=4,
-                use_rollout_routing_replay=True, parallel=MegatronParallelConfig(use_distributed_optimizer=distributed),
+                use_rollout_routing_replay=True, parallel=_parallel(use_distributed_optimizer=distributed),
             ))  # fmt: skip
 
         ckpt_root = root / f"resume-{distributed}"
@@ -390,7 +405,7 @@ def check_speed(
         if backend == "torch":
             trainer: Any = TorchTrainer(TorchTrainerConfig(**common, device="cuda"))
         else:
-            trainer = MegatronTrainer(MegatronTrainerConfig(**common))
+            trainer = MegatronTrainer(MegatronTrainerConfig(**common, parallel=_parallel()))
         for _ in range(2):
             trainer.train_step(batch)
         torch.cuda.synchronize()
@@ -426,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="subset: logits r3 train resume head speed")
     parser.add_argument("--out", default=None, help="also write the records to this JSONL file")
     parser.add_argument("--profile-dir", default=None, help="write a torch.profiler table per backend's step here")
+    parser.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                        help="the Megatron layers every check builds (transformer_engine needs TransformerEngine)")
     args = parser.parse_args(argv)
+    global _TRANSFORMER_IMPL
+    _TRANSFORMER_IMPL = args.transformer_impl
     from vime.logging import configure_logging
 
     configure_logging(level="WARNING")
@@ -452,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                          traceback=traceback.format_exc()[-3000:])]  # fmt: skip
         for r in recs:
             r["seconds"] = round(time.perf_counter() - start, 1)
+            r["transformer_impl"] = args.transformer_impl
             print(json.dumps(r), flush=True)
         records += recs
     if args.out:

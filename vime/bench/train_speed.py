@@ -3,7 +3,8 @@ GPU memory per size, backend and setting.
 
 For each size (`--sizes`: the dense 0.6b/1.7b/4b/8b, or the mixture-of-experts 30b-a3b, whose layer
 count `--layers` can cut), backend (`--backends torch,megatron`), head (`--heads`: the chunked LM head
-or full-vocabulary logits), compile, packing and optimizer setting, one `train_step` (forward +
+or full-vocabulary logits), compile, packing and optimizer setting (and, on the Megatron backend,
+`--transformer-impl`: its local layers or TransformerEngine's), one `train_step` (forward +
 backward + AdamW) of an RL-like batch of random tokens: `--samples` sequences of `--prompt` prompt
 tokens and response lengths spread evenly between half of `--response` and all of it. Prints one JSON
 line per run: median step seconds, tokens/s, model TFLOP/s and MFU (`vime.bench.flops`, against
@@ -16,6 +17,7 @@ more step of each run.
     python -m vime.bench.train_speed --sizes 0.6b,1.7b --heads chunked,full --out speed.jsonl
     python -m vime.bench.train_speed --sizes 1.7b --heads chunked --compile off,on --pack off,on --check-pack
     python -m vime.bench.train_speed --sizes 1.7b --backends torch,megatron --compile on
+    python -m vime.bench.train_speed --sizes 1.7b --backends megatron --transformer-impl local,transformer_engine
     python -m vime.bench.train_speed --sizes 30b-a3b --layers 4 --compile on
     python -m vime.bench.train_speed --sizes 1.7b,4b --heads chunked --compile on --lora-ranks 0,16
 
@@ -65,7 +67,8 @@ def _trainer(backend: str, model: Path, setting: dict[str, Any], args: argparse.
 
         _setup()
         recompute = dict(recompute_granularity="full", recompute_method="uniform") if args.gradient_checkpointing else {}
-        return MegatronTrainer(MegatronTrainerConfig(**common, parallel=MegatronParallelConfig(**recompute)))
+        parallel = MegatronParallelConfig(transformer_impl=setting["transformer_impl"], **recompute)
+        return MegatronTrainer(MegatronTrainerConfig(**common, parallel=parallel))
     return TorchTrainer(TorchTrainerConfig(
         **common, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
         pack_sequences="on" if setting["packed"] else "off", share_prompts=setting["shared_prompts"],
@@ -171,10 +174,12 @@ def settings(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     shares = args.share_prompts.split(",") if backend == "torch" else ["off"]
     optimizers = args.optimizer_implementation.split(",") if backend == "torch" else ["megatron"]
     ranks = [int(r) for r in args.lora_ranks.split(",")] if backend == "torch" else [0]
+    impls = args.transformer_impl.split(",") if backend == "megatron" else [None]
     return [
-        {"head": h, "compiled": c == "on", "packed": p == "on", "shared_prompts": sp == "on", "optimizer": o, "lora_rank": r}
+        {"head": h, "compiled": c == "on", "packed": p == "on", "shared_prompts": sp == "on", "optimizer": o, "lora_rank": r,
+         **({"transformer_impl": t} if t else {})}
         for h in args.heads.split(",") for c in args.compile.split(",") for p in packs for sp in shares
-        for o in optimizers for r in ranks if not (p == "on" and sp == "on")
+        for o in optimizers for r in ranks for t in impls if not (p == "on" and sp == "on")
     ]  # fmt: skip
 
 
@@ -192,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="AdamW kernels of the torch backend: auto, fused, foreach, for-loop, or a list")
     parser.add_argument("--lora-ranks", default="0", help="0 (every weight trains), a LoRA rank, or a list such as "
                         "0,16 (torch; peft's default target modules, alpha 32)")
+    parser.add_argument("--transformer-impl", default="local",
+                        help="Megatron backend: local, transformer_engine or local,transformer_engine")
     parser.add_argument("--check-pack", action="store_true", help="compare packed and padded logprobs per size first")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=512)

@@ -115,20 +115,25 @@ class ModelLayout:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def megatron_names(self) -> list[str]:
-        """Every global Megatron tensor name of the full model (what a TP=PP=EP=1 model has)."""
+    def megatron_names(self, transformer_impl: str = "local") -> list[str]:
+        """Every global Megatron tensor name of the full model (what a TP=PP=EP=1 model has). With
+        "transformer_engine" the input norm is part of `linear_qkv` and a dense layer's pre-MLP norm part
+        of `linear_fc1` (TE's fused norm + linear), each as `layer_norm_weight`."""
+        fused = transformer_impl == "transformer_engine"
         names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
         if not self.tie_word_embeddings:
             names.append("output_layer.weight")
         for i in range(self.num_layers):
             p = f"decoder.layers.{i}."
-            names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight",
-                      p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]  # fmt: skip
+            names += [p + ("self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight"),
+                      p + "self_attention.linear_qkv.weight", p + "self_attention.linear_proj.weight"]  # fmt: skip
+            dense = i not in self.moe_layers
+            names.append(p + ("mlp.linear_fc1.layer_norm_weight" if fused and dense else "pre_mlp_layernorm.weight"))
             if self.attention_bias:
                 names.append(p + "self_attention.linear_qkv.bias")
             if self.qk_norm:
                 names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-            if i not in self.moe_layers:
+            if dense:
                 names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
                 continue
             names.append(p + "mlp.router.weight")
@@ -151,6 +156,9 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_f
 _ONE_TO_ONE = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    # the same norms fused into the next linear (transformer_impl "transformer_engine")
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",

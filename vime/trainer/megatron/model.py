@@ -1,14 +1,14 @@
-"""Build a Megatron-core GPTModel for a Hugging Face checkpoint's layout, with SDPA attention.
+"""Build a Megatron-core GPTModel for a Hugging Face checkpoint's layout: local layers or TransformerEngine's.
 
-Megatron's fast attention is TransformerEngine's. Without TransformerEngine (the GPU machines here have
-none) its local layer spec falls back to an unfused softmax(QK^T)V that was measured 3x slower than
-transformers + SDPA on the same 418M model. `SDPAttention` replaces that core attention with
-`torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels, GQA without
-materialised key/value copies), keeping everything else of the local spec: Megatron's tensor-parallel
-linears, RMSNorm, rotary embedding, MoE layer and router (so router replay works).
-
-Context parallelism needs TransformerEngine's attention (ring exchange of key/value chunks); without it
-`MegatronParallelConfig.validate` refuses `context_parallel_size > 1` with that reason.
+`transformer_impl` (Megatron-LM's `--transformer-impl`) picks the layer spec:
+- "local": megatron-core's own layers with `SDPAttention` as core attention. Megatron's local spec would
+  otherwise fall back to an unfused softmax(QK^T)V, measured 3x slower than transformers + SDPA on a
+  418M model; SDPA brings flash / memory-efficient kernels and GQA without copied key/value heads.
+  Everything else stays Megatron's: tensor-parallel linears, RMSNorm, rotary embedding, MoE layer and
+  router (so router replay works).
+- "transformer_engine": megatron-core's TransformerEngine spec (RMSNorm fused into the following
+  linear, TE's fused attention). Needs the `transformer_engine` package; `decoder_spec` raises
+  `TransformerEngineMissing` without it. Its norm weights carry other names (`hf_mapping`).
 
 Importing this module imports megatron-core: the backend imports it lazily, and tests skip without it.
 """
@@ -153,9 +153,23 @@ def transformer_config(
     return TransformerConfig(**kw)
 
 
+class TransformerEngineMissing(ImportError):
+    """transformer_impl "transformer_engine" was asked for where TransformerEngine does not import."""
+
+
 def decoder_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """This pipeline stage's layer specs: Megatron's local (no TransformerEngine) specs, dense or MoE per
-    layer as `moe_layer_freq` says, with `SDPAttention` as core attention."""
+    """This pipeline stage's layer specs, dense or MoE per layer as `moe_layer_freq` says: megatron-core's
+    TransformerEngine specs when `config.transformer_impl` is "transformer_engine", else its local specs
+    with `SDPAttention` as core attention."""
+    if config.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as exc:  # megatron-core's own fallback would fail later with less to go on
+            raise TransformerEngineMissing(
+                f"--transformer-impl transformer_engine needs TransformerEngine where the trainer runs, and "
+                f"`import transformer_engine.pytorch` failed: {exc}; install it or use --transformer-impl local"
+            ) from exc
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for spec in block.layer_specs:
         attention = spec.submodules.self_attention

@@ -28,9 +28,11 @@ class MegatronParallelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    # Megatron-LM's --transformer-impl: megatron-core's local layers (SDPA attention) or TransformerEngine's
+    # fused norm + linear layers and fused attention (needs TransformerEngine where the trainer runs)
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
 
-    def validate(self, world_size: int, *, num_layers: int | None = None, num_experts: int = 0,
-                 have_transformer_engine: bool = False) -> None:
+    def validate(self, world_size: int, *, num_layers: int | None = None, num_experts: int = 0) -> None:
         """Raise ValueError naming the first size that does not fit `world_size` GPUs or the model."""
         tp, pp, cp, ep = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                           self.context_parallel_size, self.expert_model_parallel_size)  # fmt: skip
@@ -47,17 +49,18 @@ class MegatronParallelConfig:
                              f"{self.expert_tensor_parallel_size} must divide DP*CP*TP = {dp * cp * tp}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
-        if self.sequence_parallel and not have_transformer_engine:
+        if self.sequence_parallel and self.transformer_impl != "transformer_engine":
             # seen on the GPU machine: Megatron's torch-norm fallback asserts "sequence parallel not
             # supported by torch LayerNorm"
-            raise ValueError("sequence_parallel needs TransformerEngine's (or Apex's) norms, which are not "
-                             "installed; Megatron's torch norm fallback does not support it")
+            raise ValueError("sequence_parallel needs TransformerEngine's norms (--transformer-impl "
+                             "transformer_engine); Megatron's torch norm fallback of the local layers does not support it")
         if num_experts and tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE with tensor_model_parallel_size > 1 needs sequence_parallel (Megatron refuses "
                              "the combination in training); use expert_model_parallel_size instead of TP")
-        if cp > 1 and not have_transformer_engine:
-            raise ValueError("context_parallel_size > 1 needs TransformerEngine's attention (ring exchange of "
-                             "key/value chunks), which is not installed; vime's SDPA attention is single-rank")
+        if cp > 1:
+            raise ValueError("context_parallel_size > 1 is not supported: vime's Megatron backend does not split "
+                             "its micro-batches' sequences over context-parallel ranks (and the local layers' SDPA "
+                             "attention has no ring exchange of key/value chunks)")
         if num_layers is not None and num_layers % pp:
             raise ValueError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
         if ep > 1 and num_experts % ep:
@@ -74,6 +77,7 @@ class MegatronParallelConfig:
             expert_model_parallel_size=self.expert_model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             sequence_parallel=self.sequence_parallel,
+            transformer_impl=self.transformer_impl,
         )
         if self.recompute_granularity is not None:
             kw.update(recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
