@@ -11,8 +11,9 @@
 #   4b      the same (no profile) at 4B with full recompute (VIME_TE_4B_LAYERS cuts its 36 layers where
 #           80 GB cannot hold the whole model's weights, gradients and optimizer state)
 #   moe     the same at the Qwen3-30B-A3B layer shape (4 layers)
-# Results in $OUT (or /tmp/vime-gpu): te_install.log, te_smoke.log, megatron_te.jsonl, megatron_check.jsonl,
-# train_speed.jsonl and a log per part.
+# Results in $OUT (or /tmp/vime-gpu) as one archive, te_results.tgz (the device hands back at most 8 files):
+# te_install.log, te_smoke.log, megatron_te.jsonl, megatron_check_*.jsonl, train_speed.jsonl, a log per
+# part and profiles/.
 #
 # Before the first call (each its own call, back to back while the machine is warm):
 #   carry .vllm-cuda/deps:  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vime-train-site .vllm-cuda/deps/*.whl
@@ -93,4 +94,6 @@ for part in ${VIME_TE_PARTS:-bench check check-local check-no-tf32 speed 4b moe}
     *) echo "unknown part: $part" >&2; status=2 ;;
   esac
 done
+# The device hands back at most 8 files: everything above goes back as one archive.
+tar -C "$out" -czf /tmp/te_results.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/te_results.tgz "$out/"
 exit "$status"
