@@ -10,7 +10,7 @@
 #   backends    the torch and Megatron backends side by side at 1.7B and 4B, eager and compiled
 #   moe         a Qwen3-30B-A3B layer shape (4 layers, 128 experts, top-8), torch backend, eager and compiled
 #   moe-megatron  the same shape on the Megatron backend (eager; experts as megatron-core's SequentialMLP)
-#   megatron    megatron_check: logits vs transformers, training, R3, the chunked head, the 0.6B speed check
+#   megatron    megatron_check: logits vs transformers, training, R3, the chunked head, resume, the 0.6B speed check
 #   profile     the top kernels of one compiled 1.7B step per backend
 # Carry `.vllm-cuda/deps` (vime's pure dependencies and megatron-core for Python 3.12, made by
 # `../shared/gpu/prepare-vllm-cuda.sh`). Results: $OUT (or /tmp/vime-gpu) as JSON lines and logs.
@@ -57,7 +57,7 @@ for part in $parts; do
       --max-tokens-per-micro-batch 8192 ;;
     megatron)
       echo "== megatron_check"
-      timeout 300 python3 -m vime.bench.megatron_check --only logits train r3 head speed --out "$out/megatron_check.jsonl" \
+      timeout 360 python3 -m vime.bench.megatron_check --only logits train r3 head resume speed --out "$out/megatron_check.jsonl" \
         > "$out/megatron_check.log" 2>&1 || status=1
       grep -o '"check": "[^"]*"\|"passed": [a-z]*\|"mfu": [0-9.]*\|"tokens_per_s": [0-9.]*\|"error": "[^"]*"' \
         "$out/megatron_check.jsonl" | paste -sd' ' ;;
