@@ -1,16 +1,15 @@
 """Megatron-core's decoder with and without TransformerEngine: one forward + backward at a Qwen3 shape.
 
-vime's Megatron backend builds megatron-core's local layer specs, because the GPU images it was made on
-carry no TransformerEngine (docs/megatron.md). This bench measures what TransformerEngine would give
-where it is installed: it builds the same random-init decoder twice on one GPU, from the backend's own
-specs (`vime.trainer.megatron.model.decoder_spec`: local layers, SDPA attention, megatron-core's fused
-SwiGLU) and from megatron-core's TransformerEngine specs (TE's fused norm + linear layers and its fused
-attention), and times forward + backward of `--micro-batch` x `--seq-len` tokens through the decoder
-layers alone (no embedding, head or optimizer: those are the same in both; the loss is the mean square
-of the last hidden states). One JSON line per spec: median step seconds, tokens/s, decoder MFU against
-`--peak-tflops` (6 x decoder matmul parameters x tokens plus causal attention), peak GPU memory; then the
-ratio. A spec that cannot be built (TransformerEngine missing or failing to load) prints its error line
-and the other still runs.
+vime's Megatron backend builds megatron-core's local layer specs by default and its TransformerEngine
+specs with `--transformer-impl transformer_engine` (docs/megatron.md). This bench builds the same
+random-init decoder twice on one GPU through the backend's own `decoder_spec`, once per `--specs` entry
+(local: local layers, SDPA attention, megatron-core's fused SwiGLU; transformer_engine: TE's fused norm
++ linear layers and its fused attention), and times forward + backward of `--micro-batch` x `--seq-len`
+tokens through the decoder layers alone (no embedding, head or optimizer: those are the same in both;
+the loss is the mean square of the last hidden states). One JSON line per spec: median step seconds,
+tokens/s, decoder MFU against `--peak-tflops` (6 x decoder matmul parameters x tokens plus causal
+attention), peak GPU memory; then the ratio. A spec that cannot be built (TransformerEngine missing or
+failing to load) prints its error line and the other still runs.
 
     python bench/megatron_te.py --size 1.7b --json
 """
@@ -58,21 +57,15 @@ def decoder_flops_per_token(layout: Any, seq_len: int) -> float:
 
 
 def build_decoder(layout: Any, spec: str) -> torch.nn.Module:
-    """The decoder of `layout` (GPTModel without embedding or head) from `spec`: "local" (vime's
-    backend) or "transformer_engine" (megatron-core's TE specs; raises ImportError without TE)."""
+    """The decoder of `layout` (GPTModel without embedding or head) from the backend's `decoder_spec` for
+    `--transformer-impl spec`: "local" or "transformer_engine" (TransformerEngineMissing without TE)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from vime.trainer.megatron.model import decoder_spec, padded_vocab_size, transformer_config
     from vime.trainer.megatron.parallel import MegatronParallelConfig
 
-    config = transformer_config(layout, MegatronParallelConfig())
-    if spec == "local":
-        block = decoder_spec(config)
-    else:
-        import transformer_engine  # noqa: F401  (the clear ImportError, before megatron's own fallbacks)
-
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+    config = transformer_config(layout, MegatronParallelConfig(transformer_impl=spec))
+    block = decoder_spec(config)
     model = GPTModel(
         config=config, transformer_layer_spec=block, vocab_size=padded_vocab_size(layout, 1),
         max_sequence_length=layout.max_position_embeddings, pre_process=False, post_process=False,
