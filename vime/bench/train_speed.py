@@ -21,8 +21,11 @@ more step of each run.
     python -m vime.bench.train_speed --sizes 30b-a3b --layers 4 --compile on
     python -m vime.bench.train_speed --sizes 1.7b,4b --heads chunked --compile on --lora-ranks 0,16
 
-A run that runs out of memory prints its error line and the rest go on. Megatron runs need the
-megatron-core package and one CUDA GPU (a one-rank NCCL group is set up here).
+A run that runs out of memory prints its error line and the rest go on. Megatron runs of one process
+share its GPU with the trainers before them (a deleted Megatron trainer does not hand all its memory back:
+at 1.7B on an 80 GB card, TE after local ran out), so large sizes compare best one setting a process, as
+`scripts/gpu_transformer_engine.sh` does. Megatron runs need the megatron-core package and one CUDA GPU
+(a one-rank NCCL group is set up here).
 """
 
 from __future__ import annotations
